@@ -1,0 +1,68 @@
+"""Command line: render templates -> generated/, optionally AOT-compile for sm90 / gfx950.
+
+    python -m generator                 render (write-if-different) into generated/
+    python -m generator --check         exit 1 if generated/ is stale (renders in memory)
+    python -m generator --arch all      also compile every variant for sm90 and gfx950 and
+                                        write generated/<arch>/resources.json
+    python -m generator --check --arch all   CI: stale check + compile check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .aot import compile_all
+from .render import generated_dir, render_all, stale_files, write_all
+from .space import ARCHES
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m generator", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=[*ARCHES, "all", "none"], default="none",
+                    help="AOT-compile every variant for this GPU arch (no GPU needed)")
+    ap.add_argument("--check", action="store_true",
+                    help="do not write; exit 1 if generated/ differs from the templates")
+    ap.add_argument("--out", type=Path, default=None, help="output dir (default: generated/)")
+    args = ap.parse_args(argv)
+
+    out = args.out or generated_dir()
+    files = render_all()
+    names = [json_name for json_name in files if json_name.endswith(".py")]
+    if args.check:
+        stale = stale_files(out, files)
+        if stale:
+            print(f"generated/ is stale ({len(stale)} files): {', '.join(stale[:8])}"
+                  f"{' ...' if len(stale) > 8 else ''}\nrun: python -m generator", file=sys.stderr)
+            return 1
+        print(f"generated/ is up to date ({len(names)} variants)")
+    else:
+        changed = write_all(out, files)
+        print(f"rendered {len(names)} variants into {out}: {len(changed)} changed")
+        for c in changed:
+            print(f"  {c}")
+
+    arches = list(ARCHES) if args.arch == "all" else ([] if args.arch == "none" else [args.arch])
+    if arches:
+        t0 = time.time()
+        records = compile_all(out, [n[:-3] for n in names], arches)
+        for arch, rec in records.items():
+            spilling = [n for n, r in rec["variants"].items() if r["spill_bytes"] > 0]
+            print(f"{arch}: compiled {len(rec['variants'])} variants with Triton "
+                  f"{rec['triton_version']}; spilling: {spilling or 'none'}")
+            if not args.check:
+                path = out / arch / "resources.json"
+                path.parent.mkdir(exist_ok=True)
+                text = json.dumps(rec, indent=1, sort_keys=True) + "\n"
+                if not path.exists() or path.read_text() != text:
+                    path.write_text(text)
+        print(f"compile time {time.time() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

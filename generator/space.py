@@ -1,0 +1,92 @@
+"""The variant space: every structural kernel variant the generator emits.
+
+Only structure is generated (design §4): the dtype load path, the aligned/unmasked fast path,
+the register-tile width (BLOCK), the unrolled rank loop and the transport. Numbers that do not
+change the code (num_warps, num_stages, splits per row, rows per program) are launch parameters
+chosen by the tuner and stored in the tables; their per-arch static limits live here too so the
+tuner never proposes an invalid point (design §5 rule 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from shardmax.variants import DTYPES, TRANSPORTS, UNROLLED_TP, VariantKey
+
+BLOCKS = (1024, 2048, 4096, 8192)
+"""Register-tile widths of the local stage (elements per program and loop step)."""
+
+ALIGNMENTS = (1, 16)
+"""Row-stride/chunk alignment in elements. 16 elements are >= 16 bytes for every supported
+dtype, the widest vector load on sm90 and gfx950, so a larger alignment gives the compiler
+nothing more; 1 is the generic, fully masked, unspecialised variant."""
+
+TL_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+
+
+@dataclass(frozen=True)
+class ArchLimits:
+    """Static launch limits of one GPU architecture (design §5 rule 1)."""
+
+    arch: str  # "sm90" | "gfx950": arch ids, never product names
+    backend: str  # Triton backend: "cuda" | "hip"
+    target_arch: int | str  # what triton.backends.compiler.GPUTarget takes
+    warp_size: int
+    max_threads_per_program: int = 1024
+
+    @property
+    def num_warps(self) -> tuple[int, ...]:
+        """num_warps values with num_warps * warp_size <= max threads (AMD wave64 -> <= 16)."""
+        return tuple(
+            w
+            for w in (1, 2, 4, 8, 16, 32)
+            if w * self.warp_size <= self.max_threads_per_program
+        )
+
+
+ARCHES = {
+    "sm90": ArchLimits("sm90", "cuda", 90, 32),
+    "gfx950": ArchLimits("gfx950", "hip", "gfx950", 64),
+}
+
+
+def local_variants() -> Iterator[VariantKey]:
+    for dtype in DTYPES:
+        for align in ALIGNMENTS:
+            for block in BLOCKS:
+                yield VariantKey("shard_keys", dtype=dtype, align=align, block=block)
+
+
+def finish_variants() -> Iterator[VariantKey]:
+    for family in ("argmax_pick", "verify_finish"):
+        for transport in TRANSPORTS:
+            if transport == "allreduce":
+                yield VariantKey(family, transport=transport)
+            else:
+                for tp in (*(str(t) for t in UNROLLED_TP), "n"):
+                    yield VariantKey(family, tp=tp, transport=transport)
+
+
+def all_variants() -> list[VariantKey]:
+    """Every variant, in a fixed order (the MANIFEST order)."""
+    return [*local_variants(), *finish_variants()]
+
+
+TEMPLATE_OF_FAMILY = {
+    "shard_keys": "shard_keys.py.j2",
+    "argmax_pick": "argmax_pick.py.j2",
+    "verify_finish": "verify_finish.py.j2",
+}
+
+
+def template_context(key: VariantKey) -> dict[str, object]:
+    """The Jinja context of one variant: its axes, nothing else."""
+    ctx: dict[str, object] = {"name": key.name, "family": key.family}
+    if key.family == "shard_keys":
+        ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align,
+                   block=key.block)
+    else:
+        ctx.update(transport=key.transport, tp=key.tp,
+                   tp_literal=repr(key.unrolled_tp) if key.unrolled_tp else "None")
+    return ctx

@@ -1,0 +1,155 @@
+"""The two collectives shardmax needs, behind one small protocol.
+
+Only packed int64 keys cross ranks (design §3):
+
+* ``all_gather_dim0(t)``: ``[rows, S]`` on every rank -> ``[tp * rows, S]``, rank-major, exactly
+  the layout of ``torch.distributed.all_gather_into_tensor`` / vLLM's ``all_gather(x, dim=0)``.
+* ``all_reduce_max(t)``: elementwise signed int64 MAX across ranks, in place.
+
+Implementations:
+
+* :class:`SingleRank` - ``group=None``: no communication.
+* :class:`TorchDistributed` - a ``torch.distributed`` ProcessGroup (NCCL/RCCL on GPUs, gloo on CPU).
+* :class:`VllmCoordinator` - vLLM's TP ``GroupCoordinator``, duck-typed (no vLLM import): the
+  gather goes through ``coordinator.all_gather(t, dim=0)`` (vLLM's own, custom-op and CUDA-graph
+  aware); MAX goes to ``torch.distributed.all_reduce`` on its ``device_group`` because vLLM's
+  ``all_reduce`` is a SUM.
+
+The in-process emulator used by the tests lives in :mod:`shardmax.testing.emulate`: it runs
+every rank's local stage and concatenates keys in rank order, which is what these do.
+
+All calls are CUDA-graph capturable for NCCL (no host sync, output shapes fixed by the input).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """What the ops need from a TP group. ``rank`` is the rank inside the TP group."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
+class SingleRank:
+    """A group of one: both collectives return their input."""
+
+    world_size = 1
+    rank = 0
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def __repr__(self) -> str:
+        return "SingleRank()"
+
+
+class TorchDistributed:
+    """A ``torch.distributed`` ProcessGroup (NCCL, RCCL or gloo)."""
+
+    def __init__(self, group: Any = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "group: torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group first or pass group=None for one rank"
+            )
+        self.group = group
+        self._world_size = dist.get_world_size(group)
+        self._rank = dist.get_rank(group)
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        out = t.new_empty((self._world_size * t.shape[0], *t.shape[1:]))
+        if dist.get_backend(self.group) == "gloo":
+            # gloo has no all_gather_into_tensor: gather into views of the output.
+            dist.all_gather(list(out.chunk(self._world_size)), t, group=self.group)
+        else:
+            dist.all_gather_into_tensor(out, t, group=self.group)
+        return out
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
+    def __repr__(self) -> str:
+        return f"TorchDistributed(rank={self._rank}, world_size={self._world_size})"
+
+
+class VllmCoordinator:
+    """vLLM's TP ``GroupCoordinator`` (duck-typed; vLLM is never imported here)."""
+
+    def __init__(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
+
+    @property
+    def world_size(self) -> int:
+        return int(self.coordinator.world_size)
+
+    @property
+    def rank(self) -> int:
+        return int(self.coordinator.rank_in_group)
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        return self.coordinator.all_gather(t.contiguous(), dim=0)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        group = self.coordinator.device_group if t.is_cuda else self.coordinator.cpu_group
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t
+
+    def __repr__(self) -> str:
+        return f"VllmCoordinator(rank={self.rank}, world_size={self.world_size})"
+
+
+def _looks_like_vllm_coordinator(group: Any) -> bool:
+    return all(hasattr(group, a) for a in ("rank_in_group", "world_size", "device_group"))
+
+
+def resolve(group: Any) -> Collective:
+    """Turn the ``group`` argument of the public ops into a :class:`Collective`.
+
+    Accepts ``None`` (one rank), a :class:`Collective`, a vLLM ``GroupCoordinator`` or a
+    ``torch.distributed`` ProcessGroup. Raises TypeError for anything else.
+    """
+    if group is None:
+        return SingleRank()
+    if isinstance(group, (SingleRank, TorchDistributed, VllmCoordinator)):
+        return group
+    if _looks_like_vllm_coordinator(group):
+        return VllmCoordinator(group)
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return TorchDistributed(group)
+    if isinstance(group, Collective):
+        return group
+    raise TypeError(
+        "group: expected None, a torch.distributed ProcessGroup, a vLLM GroupCoordinator or a "
+        f"shardmax.collectives.Collective, got {type(group).__name__}"
+    )

@@ -1,0 +1,215 @@
+"""Runtime dispatcher: which generated variant, launch parameters and transport to use.
+
+``select(problem) -> Selection`` is pure and cached: no GPU work, and the same answer on every
+TP rank (it reads only the problem, the tables and the arch id, which all ranks share).
+Resolution order (design §4):
+
+1. ``$SHARDMAX_TABLES_DIR/<arch>/<op>.json`` (env override: a freshly tuned table);
+2. the packaged table ``shardmax/generated/<arch>/<op>.json`` for the detected arch;
+3. that table's catch-all row (``"match": {}``, mandatory);
+4. the built-in portable default (:func:`builtin_default`), also used for unknown archs.
+
+A table row's variant fixes the block size; the input's dtype and the alignment actually
+available always win (a bf16 row never launches an fp32 load path), so the catch-all row serves
+every dtype. Rows are matched in order; a row matches when every key of its ``match`` holds
+(``dtype``/``tp``/``align`` equal, ``rows <= rows_le``, ``width <= width_le``).
+Misses are logged once per key with the command that tunes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+from shardmax.variants import VariantKey, finish_variant, parse_name
+
+log = logging.getLogger("shardmax.dispatch")
+
+OPS = ("argmax", "verify")
+PLAIN = "plain"
+"""Selection.variant of the unsharded path: all-gather the full logits, then reduce."""
+
+TARGET_PROGRAMS = 264
+"""Built-in default: aim for about 2 programs per SM of a 132-SM GPU in the local stage."""
+MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What the dispatcher keys on. ``width`` is the local padded shard width W."""
+
+    op: str  # "argmax" | "verify"
+    dtype: str  # "bf16" | "fp16" | "fp32"
+    tp: int
+    rows: int
+    width: int
+    align: int = 1  # 16 if the row stride is a multiple of 16 elements, else 1
+    arch: str | None = None  # None: detected from the current device
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"op: {self.op!r}, expected one of {OPS}")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The dispatcher's answer. ``variant`` is a ``shard_keys_*`` name or ``"plain"``."""
+
+    variant: str
+    launch: dict[str, Any] = field(hash=False, compare=True)
+    is_tuned: bool
+    source: str  # table path + row index, or "builtin"
+
+    @property
+    def transport(self) -> str:
+        return str(self.launch.get("transport", "allgather"))
+
+    @property
+    def splits(self) -> int:
+        return int(self.launch.get("splits", 1))
+
+    def finish_variant(self, op: str, tp: int) -> str:
+        return finish_variant(op, tp, self.transport)
+
+
+def detect_arch() -> str | None:
+    """Arch id of the current device: ``sm90``-style for CUDA, ``gfx950``-style for ROCm."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    gcn = getattr(props, "gcnArchName", None)
+    if torch.version.hip and gcn:
+        return str(gcn).split(":")[0]
+    return f"sm{props.major}{props.minor}"
+
+
+def alignment_of(t: torch.Tensor) -> int:
+    """16 if the row stride (elements) is a multiple of 16, else 1."""
+    stride = t.stride(0) if t.dim() == 2 and t.shape[0] > 1 else t.shape[-1]
+    return 16 if stride % 16 == 0 else 1
+
+
+def builtin_default(problem: Problem) -> Selection:
+    """Portable default: block 4096 (1024 for narrow shards), ~2 programs per SM, 8 warps."""
+    block = 4096 if problem.width >= 4096 else 1024
+    max_splits = max(1, triton.cdiv(problem.width, block))
+    want = triton.cdiv(TARGET_PROGRAMS, max(problem.rows, 1))
+    splits = 1
+    while splits * 2 <= min(want, max_splits, MAX_SPLITS):
+        splits *= 2
+    key = VariantKey("shard_keys", dtype=problem.dtype, align=problem.align, block=block)
+    launch = {"splits": splits, "num_warps": 8 if block >= 4096 else 4, "num_stages": 2,
+              "transport": "allgather"}
+    return Selection(key.name, launch, is_tuned=False, source="builtin")
+
+
+def _table_paths(arch: str, op: str) -> list[Path]:
+    paths = []
+    override = os.environ.get("SHARDMAX_TABLES_DIR")
+    if override:
+        paths.append(Path(override) / arch / f"{op}.json")
+    from importlib import resources
+
+    paths.append(Path(str(resources.files("shardmax.generated"))) / arch / f"{op}.json")
+    return paths
+
+
+@functools.cache
+def load_table(path: Path) -> dict[str, Any] | None:
+    """A tuned table (cached, negative results too); None if the file does not exist."""
+    if not path.exists():
+        return None
+    table = json.loads(path.read_text())
+    validate_table(table, str(path))
+    return table
+
+
+def validate_table(table: dict[str, Any], where: str = "table") -> None:
+    """Schema check: required keys, a catch-all row last, every variant name parses."""
+    for k in ("schema", "arch", "op", "tuned", "provenance", "rows"):
+        if k not in table:
+            raise ValueError(f"{where}: missing key {k!r}")
+    rows = table["rows"]
+    if not rows or rows[-1].get("match") != {}:
+        raise ValueError(f"{where}: the last row must be the catch-all (\"match\": {{}})")
+    for i, row in enumerate(rows):
+        variant = row.get("variant")
+        if variant != PLAIN:
+            key = parse_name(str(variant))
+            if key.family != "shard_keys":
+                raise ValueError(f"{where}: row {i} variant {variant!r} is not a shard_keys_*")
+        launch = row.get("launch", {})
+        if variant != PLAIN and not {"splits", "num_warps", "transport"} <= set(launch):
+            raise ValueError(f"{where}: row {i} launch lacks splits/num_warps/transport")
+        unknown = set(row.get("match", {})) - {"dtype", "tp", "align", "rows_le", "width_le"}
+        if unknown:
+            raise ValueError(f"{where}: row {i} has unknown match keys {sorted(unknown)}")
+
+
+def _row_matches(match: dict[str, Any], p: Problem) -> bool:
+    for k, v in match.items():
+        if k == "rows_le" and p.rows > v:
+            return False
+        if k == "width_le" and p.width > v:
+            return False
+        if k in ("dtype", "tp", "align") and getattr(p, k) != v:
+            return False
+    return True
+
+
+def _adapt(row: dict[str, Any], p: Problem, tuned: bool, source: str) -> Selection:
+    launch = dict(row.get("launch", {}))
+    variant = row["variant"]
+    if variant == PLAIN:
+        return Selection(PLAIN, launch, tuned, source)
+    key = parse_name(variant)
+    if key.dtype != p.dtype or key.align != p.align:
+        key = VariantKey("shard_keys", dtype=p.dtype, align=p.align, block=key.block)
+        tuned = tuned and False  # adapted: not what was measured
+    splits = min(int(launch["splits"]), max(1, triton.cdiv(p.width, int(key.block or 1))))
+    launch["splits"] = max(1, splits)
+    return Selection(key.name, launch, tuned, source)
+
+
+_logged: set[tuple[Any, ...]] = set()
+
+
+@functools.cache
+def select(problem: Problem) -> Selection:
+    """Choose variant + launch parameters for ``problem`` (pure, cached, rank-identical)."""
+    arch = problem.arch if problem.arch is not None else detect_arch()
+    if arch is None:  # CPU / interpreter: nothing was tuned for it
+        return builtin_default(problem)
+    for path in _table_paths(arch, problem.op):
+        table = load_table(path)
+        if table is None:
+            continue
+        for i, row in enumerate(table["rows"]):
+            if _row_matches(row["match"], problem):
+                catch_all = row["match"] == {}
+                sel = _adapt(row, problem, bool(table["tuned"]) and not catch_all,
+                             f"{path}#{i}")
+                key = (arch, problem.op, problem.dtype, problem.tp, catch_all)
+                if catch_all and key not in _logged:
+                    _logged.add(key)
+                    log.warning(
+                        "shardmax: no tuned row for %s on %s (dtype=%s tp=%d rows=%d); using "
+                        "the table default. Tune it: shardmax-tune --arch %s --op %s",
+                        problem.op, arch, problem.dtype, problem.tp, problem.rows, arch,
+                        problem.op)
+                return sel
+    key2 = (arch, problem.op)
+    if key2 not in _logged:
+        _logged.add(key2)
+        log.warning("shardmax: no table for arch %s op %s; using the built-in default. "
+                    "Tune it: shardmax-tune --arch %s --op %s", arch, problem.op, arch,
+                    problem.op)
+    return builtin_default(problem)

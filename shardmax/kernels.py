@@ -1,0 +1,141 @@
+"""Launchers for the generated kernel variants (``shardmax.generated.<variant name>``).
+
+Each function launches one generated kernel with launch parameters from a
+:class:`shardmax.dispatch.Selection`; nothing here decides anything. Buffers are allocated with
+shapes that depend only on the input shapes and the selection, so a CUDA graph captured for one
+batch size replays with any values.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+import torch
+import triton
+
+from shardmax.variants import VariantKey, parse_name
+
+
+@functools.cache
+def load(name: str) -> ModuleType:
+    """The generated module of a variant (validated name); raises ValueError if missing."""
+    parse_name(name)
+    try:
+        return importlib.import_module(f"shardmax.generated.{name}")
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"variant {name!r} is not in shardmax.generated; run `python -m generator`"
+        ) from e
+
+
+def chunk_for(num_valid: int, splits: int, block: int) -> int:
+    """Columns per split: a multiple of ``block`` covering ``num_valid`` in ``splits`` parts."""
+    per = triton.cdiv(max(num_valid, 1), splits)
+    return triton.cdiv(per, block) * block
+
+
+def shard_keys(
+    local_logits: torch.Tensor,
+    vocab_start: int,
+    num_valid: int,
+    variant: str,
+    splits: int,
+    num_warps: int,
+    num_stages: int,
+) -> torch.Tensor:
+    """Local stage: ``[rows, W]`` logits -> ``[rows, splits]`` int64 packed keys."""
+    mod = load(variant)
+    rows = local_logits.shape[0]
+    keys = torch.empty((rows, splits), dtype=torch.int64, device=local_logits.device)
+    if rows == 0:
+        return keys
+    chunk = chunk_for(num_valid, splits, mod.BLOCK)
+    mod.kernel[(rows, splits)](
+        local_logits,
+        keys,
+        local_logits.stride(0),
+        vocab_start,
+        num_valid,
+        chunk,
+        BLOCK=mod.BLOCK,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return keys
+
+
+PICK_ROWS = 16
+
+
+def argmax_pick(keys: torch.Tensor, num_rows: int, tp: int, variant: str) -> torch.Tensor:
+    """Finish of the argmax: gathered or all-reduced keys -> int64 ids ``[num_rows]``."""
+    mod = load(variant)
+    ids = torch.empty(num_rows, dtype=torch.int64, device=keys.device)
+    if num_rows == 0:
+        return ids
+    splits = keys.shape[1]
+    mod.kernel[(triton.cdiv(num_rows, PICK_ROWS),)](
+        keys, ids, num_rows, splits, tp,
+        ROWS=PICK_ROWS, SPLITS_P2=triton.next_power_of_2(splits), num_warps=1,
+    )
+    return ids
+
+
+def verify_finish(
+    keys: torch.Tensor,
+    tp: int,
+    variant: str,
+    draft_sampled: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    pos: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    seed: torch.Tensor,
+    num_speculative_steps: int,
+    synthetic_conditional_rates: torch.Tensor | None,
+    seq_lens: torch.Tensor | None,
+    prefill_len: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Finish of greedy verification: one program per request (see the generated docstring)."""
+    mod = load(variant)
+    num_reqs = idx_mapping.shape[0]
+    k = num_speculative_steps
+    dev = keys.device
+    sampled = torch.empty((num_reqs, k + 1), dtype=torch.int64, device=dev)
+    num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=dev)
+    num_rejected = torch.empty(num_reqs, dtype=torch.int32, device=dev)
+    if num_reqs == 0:
+        return sampled, num_sampled, num_rejected
+    synthetic = synthetic_conditional_rates is not None
+    has_prefill = seq_lens is not None and prefill_len is not None
+    dummy_i32 = torch.empty(1, dtype=torch.int32, device=dev)
+    mod.kernel[(num_reqs,)](
+        keys,
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        seed,
+        synthetic_conditional_rates if synthetic else torch.empty(1, device=dev),
+        seq_lens if has_prefill else dummy_i32,
+        prefill_len if has_prefill else dummy_i32,
+        sampled,
+        num_sampled,
+        num_rejected,
+        draft_sampled.shape[0],
+        keys.shape[1],
+        tp,
+        sampled.stride(0),
+        K=k,
+        KP1_P2=triton.next_power_of_2(k + 1),
+        SPLITS_P2=triton.next_power_of_2(keys.shape[1]),
+        SYNTHETIC=synthetic,
+        HAS_PREFILL=has_prefill,
+        num_warps=1,
+    )
+    return sampled, num_sampled, num_rejected
+
+
+def local_key_of(variant: str) -> VariantKey:
+    return parse_name(variant)
