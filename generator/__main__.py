@@ -1,10 +1,10 @@
 """Command line: render templates -> generated/, optionally AOT-compile for sm90 / gfx950.
 
-    python -m generator                 render (write-if-different) into generated/
-    python -m generator --check         exit 1 if generated/ is stale (renders in memory)
-    python -m generator --arch all      also compile every variant for sm90 and gfx950 and
-                                        write generated/<arch>/resources.json
-    python -m generator --check --arch all   CI: stale check + compile check
+python -m generator                 render (write-if-different) into generated/
+python -m generator --check         exit 1 if generated/ is stale (renders in memory)
+python -m generator --arch all      also compile every variant for sm90 and gfx950 and
+                                    write generated/<arch>/resources.json
+python -m generator --check --arch all   CI: stale check + compile check
 """
 
 from __future__ import annotations
@@ -21,12 +21,22 @@ from .space import ARCHES
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m generator", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", choices=[*ARCHES, "all", "none"], default="none",
-                    help="AOT-compile every variant for this GPU arch (no GPU needed)")
-    ap.add_argument("--check", action="store_true",
-                    help="do not write; exit 1 if generated/ differs from the templates")
+    ap = argparse.ArgumentParser(
+        prog="python -m generator",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--arch",
+        choices=[*ARCHES, "all", "none"],
+        default="none",
+        help="AOT-compile every variant for this GPU arch (no GPU needed)",
+    )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="do not write; exit 1 if generated/ differs from the templates",
+    )
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: generated/)")
     args = ap.parse_args(argv)
 
@@ -36,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale = stale_files(out, files)
         if stale:
-            print(f"generated/ is stale ({len(stale)} files): {', '.join(stale[:8])}"
-                  f"{' ...' if len(stale) > 8 else ''}\nrun: python -m generator", file=sys.stderr)
+            print(
+                f"generated/ is stale ({len(stale)} files): {', '.join(stale[:8])}"
+                f"{' ...' if len(stale) > 8 else ''}\nrun: python -m generator",
+                file=sys.stderr,
+            )
             return 1
         print(f"generated/ is up to date ({len(names)} variants)")
     else:
@@ -52,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         records = compile_all(out, [n[:-3] for n in names], arches)
         for arch, rec in records.items():
             spilling = [n for n, r in rec["variants"].items() if r["spill_bytes"] > 0]
-            print(f"{arch}: compiled {len(rec['variants'])} variants with Triton "
-                  f"{rec['triton_version']}; spilling: {spilling or 'none'}")
+            print(
+                f"{arch}: compiled {len(rec['variants'])} variants with Triton "
+                f"{rec['triton_version']}; spilling: {spilling or 'none'}"
+            )
             if not args.check:
                 path = out / arch / "resources.json"
                 path.parent.mkdir(exist_ok=True)

@@ -33,10 +33,11 @@ def load_module(path: Path) -> ModuleType:
 def _cuda_resources(ptx: str) -> dict[str, int]:
     from triton.backends.nvidia.compiler import get_ptxas
 
+    getter: Any = get_ptxas
     try:
-        ptxas = get_ptxas(90)  # Triton >= 3.5 picks the ptxas build per arch
+        ptxas = getter(90)  # Triton >= 3.5 picks the ptxas build per arch
     except TypeError:
-        ptxas = get_ptxas()  # type: ignore[call-arg]
+        ptxas = getter()
     path = getattr(ptxas, "path", ptxas)
     m = re.search(r"^\.target\s+(sm_\w+)", ptx, re.MULTILINE)
     target = m.group(1) if m else "sm_90a"
@@ -45,7 +46,9 @@ def _cuda_resources(ptx: str) -> dict[str, int]:
         Path(src).write_text(ptx)
         out = subprocess.run(
             [str(path), "-v", f"--gpu-name={target}", src, "-o", os.path.join(tmp, "k.cubin")],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
     log = out.stderr + out.stdout
     if out.returncode != 0:

@@ -51,13 +51,20 @@ def render_all(tdir: Path | None = None) -> dict[str, str]:
     for key in all_variants():
         template = TEMPLATE_OF_FAMILY[key.family]
         ctx = template_context(key)
-        ctx.update(generator_version=GENERATOR_VERSION, template=template,
-                   template_hash=hashes[template])
+        ctx.update(
+            generator_version=GENERATOR_VERSION, template=template, template_hash=hashes[template]
+        )
         text = env.get_template(template).render(**ctx)
         text = text.rstrip("\n") + "\n"
         files[f"{key.name}.py"] = text
-        entries.append({"name": key.name, "template": template, "sha256": _sha256(text),
-                        **{k: v for k, v in vars(key).items() if v is not None}})
+        entries.append(
+            {
+                "name": key.name,
+                "template": template,
+                "sha256": _sha256(text),
+                **{k: v for k, v in vars(key).items() if v is not None},
+            }
+        )
     source = {
         "generator_version": GENERATOR_VERSION,
         "templates": hashes,
@@ -82,8 +89,11 @@ def write_if_different(path: Path, text: str) -> bool:
 
 def stale_files(out: Path, files: dict[str, str]) -> list[str]:
     """Relative paths whose content differs from ``files``, plus generated modules to delete."""
-    stale = [rel for rel, text in files.items()
-             if not (out / rel).exists() or (out / rel).read_text() != text]
+    stale = [
+        rel
+        for rel, text in files.items()
+        if not (out / rel).exists() or (out / rel).read_text() != text
+    ]
     known = set(files)
     for p in sorted(out.glob("*.py")):
         if p.name != "__init__.py" and p.name not in known:

@@ -39,9 +39,7 @@ class ArchLimits:
     def num_warps(self) -> tuple[int, ...]:
         """num_warps values with num_warps * warp_size <= max threads (AMD wave64 -> <= 16)."""
         return tuple(
-            w
-            for w in (1, 2, 4, 8, 16, 32)
-            if w * self.warp_size <= self.max_threads_per_program
+            w for w in (1, 2, 4, 8, 16, 32) if w * self.warp_size <= self.max_threads_per_program
         )
 
 
@@ -84,9 +82,13 @@ def template_context(key: VariantKey) -> dict[str, object]:
     """The Jinja context of one variant: its axes, nothing else."""
     ctx: dict[str, object] = {"name": key.name, "family": key.family}
     if key.family == "shard_keys":
-        ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align,
-                   block=key.block)
+        ctx.update(
+            dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align, block=key.block
+        )
     else:
-        ctx.update(transport=key.transport, tp=key.tp,
-                   tp_literal=repr(key.unrolled_tp) if key.unrolled_tp else "None")
+        ctx.update(
+            transport=key.transport,
+            tp=key.tp,
+            tp_literal=repr(key.unrolled_tp) if key.unrolled_tp else "None",
+        )
     return ctx

@@ -10,10 +10,11 @@ Implementations:
 
 * :class:`SingleRank` - ``group=None``: no communication.
 * :class:`TorchDistributed` - a ``torch.distributed`` ProcessGroup (NCCL/RCCL on GPUs, gloo on CPU).
-* :class:`VllmCoordinator` - vLLM's TP ``GroupCoordinator``, duck-typed (no vLLM import): the
-  gather goes through ``coordinator.all_gather(t, dim=0)`` (vLLM's own, custom-op and CUDA-graph
-  aware); MAX goes to ``torch.distributed.all_reduce`` on its ``device_group`` because vLLM's
-  ``all_reduce`` is a SUM.
+* :class:`VllmCoordinator` - vLLM's TP ``GroupCoordinator``, duck-typed (no vLLM import): on GPUs
+  the gather goes through ``coordinator.all_gather(t, dim=0)`` (vLLM's own, custom-op and
+  CUDA-graph aware) and MAX through ``torch.distributed.all_reduce`` on its ``device_group``
+  (vLLM's ``all_reduce`` is a SUM); CPU tensors use its gloo ``cpu_group`` for both, because
+  vLLM-CPU's shared-memory all_gather has no int64 kernel.
 
 The in-process emulator used by the tests lives in :mod:`shardmax.testing.emulate`: it runs
 every rank's local stage and concatenates keys in rank order, which is what these do.
@@ -116,6 +117,8 @@ class VllmCoordinator:
     def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return t
+        if not t.is_cuda:
+            return TorchDistributed(self.coordinator.cpu_group).all_gather_dim0(t)
         return self.coordinator.all_gather(t.contiguous(), dim=0)
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:

@@ -97,17 +97,25 @@ def alignment_of(t: torch.Tensor) -> int:
     return 16 if stride % 16 == 0 else 1
 
 
-def builtin_default(problem: Problem) -> Selection:
-    """Portable default: block 4096 (1024 for narrow shards), ~2 programs per SM, 8 warps."""
+def builtin_default(problem: Problem, target_programs: int = TARGET_PROGRAMS) -> Selection:
+    """Portable default: block 4096 (1024 for narrow shards), ~2 programs per SM, 8 warps.
+
+    ``target_programs`` is the number of local-stage programs to aim for (1 on CPU, where the
+    interpreter runs programs one after another and more splits only cost time).
+    """
     block = 4096 if problem.width >= 4096 else 1024
     max_splits = max(1, triton.cdiv(problem.width, block))
-    want = triton.cdiv(TARGET_PROGRAMS, max(problem.rows, 1))
+    want = triton.cdiv(target_programs, max(problem.rows, 1))
     splits = 1
     while splits * 2 <= min(want, max_splits, MAX_SPLITS):
         splits *= 2
     key = VariantKey("shard_keys", dtype=problem.dtype, align=problem.align, block=block)
-    launch = {"splits": splits, "num_warps": 8 if block >= 4096 else 4, "num_stages": 2,
-              "transport": "allgather"}
+    launch = {
+        "splits": splits,
+        "num_warps": 8 if block >= 4096 else 4,
+        "num_stages": 2,
+        "transport": "allgather",
+    }
     return Selection(key.name, launch, is_tuned=False, source="builtin")
 
 
@@ -139,7 +147,7 @@ def validate_table(table: dict[str, Any], where: str = "table") -> None:
             raise ValueError(f"{where}: missing key {k!r}")
     rows = table["rows"]
     if not rows or rows[-1].get("match") != {}:
-        raise ValueError(f"{where}: the last row must be the catch-all (\"match\": {{}})")
+        raise ValueError(f'{where}: the last row must be the catch-all ("match": {{}})')
     for i, row in enumerate(rows):
         variant = row.get("variant")
         if variant != PLAIN:
@@ -187,7 +195,7 @@ def select(problem: Problem) -> Selection:
     """Choose variant + launch parameters for ``problem`` (pure, cached, rank-identical)."""
     arch = problem.arch if problem.arch is not None else detect_arch()
     if arch is None:  # CPU / interpreter: nothing was tuned for it
-        return builtin_default(problem)
+        return builtin_default(problem, target_programs=1)
     for path in _table_paths(arch, problem.op):
         table = load_table(path)
         if table is None:
@@ -195,21 +203,31 @@ def select(problem: Problem) -> Selection:
         for i, row in enumerate(table["rows"]):
             if _row_matches(row["match"], problem):
                 catch_all = row["match"] == {}
-                sel = _adapt(row, problem, bool(table["tuned"]) and not catch_all,
-                             f"{path}#{i}")
+                sel = _adapt(row, problem, bool(table["tuned"]) and not catch_all, f"{path}#{i}")
                 key = (arch, problem.op, problem.dtype, problem.tp, catch_all)
                 if catch_all and key not in _logged:
                     _logged.add(key)
                     log.warning(
                         "shardmax: no tuned row for %s on %s (dtype=%s tp=%d rows=%d); using "
                         "the table default. Tune it: shardmax-tune --arch %s --op %s",
-                        problem.op, arch, problem.dtype, problem.tp, problem.rows, arch,
-                        problem.op)
+                        problem.op,
+                        arch,
+                        problem.dtype,
+                        problem.tp,
+                        problem.rows,
+                        arch,
+                        problem.op,
+                    )
                 return sel
     key2 = (arch, problem.op)
     if key2 not in _logged:
         _logged.add(key2)
-        log.warning("shardmax: no table for arch %s op %s; using the built-in default. "
-                    "Tune it: shardmax-tune --arch %s --op %s", arch, problem.op, arch,
-                    problem.op)
+        log.warning(
+            "shardmax: no table for arch %s op %s; using the built-in default. "
+            "Tune it: shardmax-tune --arch %s --op %s",
+            arch,
+            problem.op,
+            arch,
+            problem.op,
+        )
     return builtin_default(problem)

@@ -77,8 +77,14 @@ def argmax_pick(keys: torch.Tensor, num_rows: int, tp: int, variant: str) -> tor
         return ids
     splits = keys.shape[1]
     mod.kernel[(triton.cdiv(num_rows, PICK_ROWS),)](
-        keys, ids, num_rows, splits, tp,
-        ROWS=PICK_ROWS, SPLITS_P2=triton.next_power_of_2(splits), num_warps=1,
+        keys,
+        ids,
+        num_rows,
+        splits,
+        tp,
+        ROWS=PICK_ROWS,
+        SPLITS_P2=triton.next_power_of_2(splits),
+        num_warps=1,
     )
     return ids
 

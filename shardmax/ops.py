@@ -109,7 +109,9 @@ def vocab_parallel_argmax(
     if sel.variant == PLAIN:
         return torch.argmax(_plain_full_logits(logits, vocab_start, num_valid, coll), dim=-1)
     keys = _global_keys(logits, vocab_start, num_valid, coll, sel)
-    return kernels.argmax_pick(keys, rows, coll.world_size, sel.finish_variant("argmax", coll.world_size))
+    return kernels.argmax_pick(
+        keys, rows, coll.world_size, sel.finish_variant("argmax", coll.world_size)
+    )
 
 
 def validate_verify_inputs(
@@ -179,8 +181,16 @@ def validate_verify_inputs(
         check_geometry(coll, logits, vocab_start, num_valid)
     if value_checks_enabled(dev):
         _check_batch_values(
-            draft_sampled, cu_num_logits, idx_mapping, seed, prefill_len, num_logits, k,
-            vocab_start, num_valid, coll,
+            draft_sampled,
+            cu_num_logits,
+            idx_mapping,
+            seed,
+            prefill_len,
+            num_logits,
+            k,
+            vocab_start,
+            num_valid,
+            coll,
         )
     return logits, vocab_start, num_valid
 
@@ -241,9 +251,20 @@ def sharded_greedy_verify(
     """
     coll = resolve(group)
     logits, vocab_start, num_valid = validate_verify_inputs(
-        local_logits, draft_sampled, cu_num_logits, pos, idx_mapping, expanded_local_pos, seed,
-        num_speculative_steps, vocab_start, num_valid, synthetic_conditional_rates, seq_lens,
-        prefill_len, coll,
+        local_logits,
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        expanded_local_pos,
+        seed,
+        num_speculative_steps,
+        vocab_start,
+        num_valid,
+        synthetic_conditional_rates,
+        seq_lens,
+        prefill_len,
+        coll,
     )
     dev = logits.device
     num_reqs = idx_mapping.shape[0]
@@ -260,8 +281,16 @@ def sharded_greedy_verify(
 
         full = _plain_full_logits(logits, vocab_start, num_valid, coll)
         return reference.greedy_verify(
-            full, draft_sampled, cu_num_logits, pos, idx_mapping, expanded_local_pos, seed, k,
-            synthetic_conditional_rates=synthetic_conditional_rates, seq_lens=seq_lens,
+            full,
+            draft_sampled,
+            cu_num_logits,
+            pos,
+            idx_mapping,
+            expanded_local_pos,
+            seed,
+            k,
+            synthetic_conditional_rates=synthetic_conditional_rates,
+            seq_lens=seq_lens,
             prefill_len=prefill_len,
         )
     keys = _global_keys(logits, vocab_start, num_valid, coll, sel)

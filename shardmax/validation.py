@@ -85,7 +85,11 @@ def check_local_logits(
 
 
 def check_index_tensor(
-    name: str, t: object, device: torch.device, dims: int = 1, length: int | None = None,
+    name: str,
+    t: object,
+    device: torch.device,
+    dims: int = 1,
+    length: int | None = None,
     dtypes: tuple[torch.dtype, ...] = INDEX_DTYPES,
 ) -> torch.Tensor:
     """Validate one integer batch tensor (dtype, rank, length, device)."""

@@ -14,31 +14,38 @@ import torch
 
 from shardmax import kernels
 from shardmax.dispatch import Problem, Selection, alignment_of, select
-from shardmax.testing.shards import Shard, shard_like_vllm
+from shardmax.testing.shards import Shard, default_pad_to, shard_like_vllm
 from shardmax.validation import SUPPORTED_DTYPES
-
-
-def default_pad_to(vocab: int, tp_size: int) -> int:
-    """vLLM's padding (64) when the padded vocab splits evenly over ``tp_size`` ranks, else
-    ``64 * tp_size`` (what a deployment with a non-power-of-two TP size has to configure)."""
-    padded = -(-vocab // 64) * 64
-    return 64 if padded % tp_size == 0 else 64 * tp_size
 
 
 def _selection(op: str, shard: Shard, tp: int, selection: Selection | None) -> Selection:
     if selection is not None:
         return selection
     logits = shard.local_logits
-    return select(Problem(op, SUPPORTED_DTYPES[logits.dtype], tp, logits.shape[0],
-                          logits.shape[1], alignment_of(logits)))
+    return select(
+        Problem(
+            op,
+            SUPPORTED_DTYPES[logits.dtype],
+            tp,
+            logits.shape[0],
+            logits.shape[1],
+            alignment_of(logits),
+        )
+    )
 
 
 def emulated_keys(shards: list[Shard], sel: Selection) -> torch.Tensor:
     """Keys after the collective: ``[tp*rows, S]`` (all_gather) or ``[rows, S]`` (all_reduce)."""
     per_rank = [
-        kernels.shard_keys(s.local_logits, s.vocab_start, s.num_valid, sel.variant,
-                           splits=sel.splits, num_warps=int(sel.launch.get("num_warps", 4)),
-                           num_stages=int(sel.launch.get("num_stages", 2)))
+        kernels.shard_keys(
+            s.local_logits,
+            s.vocab_start,
+            s.num_valid,
+            sel.variant,
+            splits=sel.splits,
+            num_warps=int(sel.launch.get("num_warps", 4)),
+            num_stages=int(sel.launch.get("num_stages", 2)),
+        )
         for s in shards
     ]
     if sel.transport == "allreduce":
@@ -47,7 +54,10 @@ def emulated_keys(shards: list[Shard], sel: Selection) -> torch.Tensor:
 
 
 def emulate_vocab_parallel_argmax(
-    full_logits: torch.Tensor, tp_size: int, *, selection: Selection | None = None,
+    full_logits: torch.Tensor,
+    tp_size: int,
+    *,
+    selection: Selection | None = None,
     pad_to: int | None = None,
 ) -> torch.Tensor:
     """``vocab_parallel_argmax`` of ``tp_size`` emulated ranks over ``full_logits [B, V]``.
@@ -55,7 +65,9 @@ def emulate_vocab_parallel_argmax(
     ``selection`` forces a variant/launch/transport (the tests sweep every variant); by default
     the dispatcher chooses, as on a real rank. Returns int64 ``[B]``.
     """
-    shards = shard_like_vllm(full_logits, tp_size, pad_to=pad_to or default_pad_to(full_logits.shape[1], tp_size))
+    shards = shard_like_vllm(
+        full_logits, tp_size, pad_to=pad_to or default_pad_to(full_logits.shape[1], tp_size)
+    )
     rows = full_logits.shape[0]
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=full_logits.device)
@@ -92,21 +104,45 @@ def emulate_greedy_verify(
     from shardmax.ops import validate_verify_inputs
 
     validate_verify_inputs(
-        full_logits, draft_sampled, cu_num_logits, pos, idx_mapping, expanded_local_pos, seed,
-        num_speculative_steps, 0, None, synthetic_conditional_rates, seq_lens, prefill_len,
+        full_logits,
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        expanded_local_pos,
+        seed,
+        num_speculative_steps,
+        0,
+        None,
+        synthetic_conditional_rates,
+        seq_lens,
+        prefill_len,
         SingleRank(),
     )
-    shards = shard_like_vllm(full_logits, tp_size, pad_to=pad_to or default_pad_to(full_logits.shape[1], tp_size))
+    shards = shard_like_vllm(
+        full_logits, tp_size, pad_to=pad_to or default_pad_to(full_logits.shape[1], tp_size)
+    )
     num_reqs = idx_mapping.shape[0]
     if num_reqs == 0:
         k, dev = num_speculative_steps, full_logits.device
-        return (torch.empty((0, k + 1), dtype=torch.int64, device=dev),
-                torch.empty(0, dtype=torch.int32, device=dev),
-                torch.empty(0, dtype=torch.int32, device=dev))
+        return (
+            torch.empty((0, k + 1), dtype=torch.int64, device=dev),
+            torch.empty(0, dtype=torch.int32, device=dev),
+            torch.empty(0, dtype=torch.int32, device=dev),
+        )
     sel = _selection("verify", shards[0], tp_size, selection)
     keys = emulated_keys(shards, sel)
     return kernels.verify_finish(
-        keys, tp_size, sel.finish_variant("verify", tp_size), draft_sampled, cu_num_logits, pos,
-        idx_mapping, seed, num_speculative_steps, synthetic_conditional_rates, seq_lens,
+        keys,
+        tp_size,
+        sel.finish_variant("verify", tp_size),
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        seed,
+        num_speculative_steps,
+        synthetic_conditional_rates,
+        seq_lens,
         prefill_len,
     )

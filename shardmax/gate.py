@@ -1,0 +1,147 @@
+"""Per-step gate: may this verification step take the sharded path? (spec ``vllm-semantics.md`` §5)
+
+The sharded verification reproduces vLLM's ``rejection_sample`` + ``get_num_sampled_and_rejected``
+only for greedy (and synthetic-acceptance) batches whose logits reach the rejection kernels
+unmodified. :func:`can_shard_verify` checks that on plain Python values, one entry per request
+of the step (already gathered through ``idx_mapping``), and names the first failing condition.
+The vLLM integration extracts the values from the runner; this module imports nothing from vLLM.
+
+Rules, in the order they are checked, with the vLLM field each one stands for:
+
+==============================  ===============================================================
+rule                            vLLM field (spec §5 table)
+==============================  ===============================================================
+every temperature ``== 0.0``    ``sampling_states.temperature.np[idx_mapping_np]`` (exact zero:
+                                a "small" temperature is sampled, not greedy)
+top_k disabled                  ``sampling_states.top_k.np == vocab_size`` (``<= 0`` also means
+                                disabled at the API level)
+top_p disabled                  ``sampling_states.top_p.np == 1.0``
+min_p disabled                  ``sampling_states.min_p.np == 0.0``
+no logits processors            ``logit_bias_state.use_logit_bias`` (logit bias, allowed ids,
+                                min_tokens), ``penalties_state.use_penalty``, bad words,
+                                custom samplers
+no logprobs                     ``sampler.returns_logprobs(idx_mapping_np)``
+no structured output            ``grammar_output is None`` / ``has_structured_output_reqs``
+no draft logits                 ``speculator.draft_logits is None``
+                                (``draft_sample_method != "probabilistic"``)
+no adaptive verification        ``speculative_config.enable_adaptive_verification``
+no block verification           ``rejection_sampler.use_block_verification``
+no watermark                    ``rejection_sampler.watermark_key is None``
+no NaN counting                 ``sampler.compute_nans`` (``VLLM_COMPUTE_NANS_IN_LOGITS``)
+no sampling mask                ``model_config.return_sampling_mask``
+``num_draft_tokens > 0``        ``input_batch.num_draft_tokens`` (else the plain Sampler runs)
+==============================  ===============================================================
+
+Synthetic acceptance (``synthetic_conditional_rates`` set) is allowed: the sharded path
+implements it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["ShardDecision", "can_shard_verify"]
+
+
+@dataclass(frozen=True)
+class ShardDecision:
+    """Outcome of :func:`can_shard_verify`; truthy iff ``ok``.
+
+    ``reason`` is ``None`` when ``ok``, else a short stable string naming the first failing
+    condition (and the offending request index and value for per-request conditions).
+    """
+
+    ok: bool
+    reason: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+_OK = ShardDecision(True, None)
+
+
+def _no(reason: str) -> ShardDecision:
+    return ShardDecision(False, reason)
+
+
+def can_shard_verify(
+    *,
+    temperatures: Sequence[float],
+    top_k: Sequence[int] | None = None,
+    top_p: Sequence[float] | None = None,
+    min_p: Sequence[float] | None = None,
+    vocab_size: int | None = None,
+    has_logits_processors: bool = False,
+    returns_logprobs: bool = False,
+    has_structured_output: bool = False,
+    has_draft_logits: bool = False,
+    adaptive_verification: bool = False,
+    block_verification: bool = False,
+    watermark: bool = False,
+    compute_nans: bool = False,
+    return_sampling_mask: bool = False,
+    num_draft_tokens: int = 1,
+) -> ShardDecision:
+    """Decide whether one verification step may use the sharded greedy path (spec §5).
+
+    Args:
+        temperatures: per-request temperature of the step; each must be exactly ``0.0``.
+        top_k: per-request top-k or ``None``; each must be ``<= 0`` (disabled) or, when
+            ``vocab_size`` is given, ``== vocab_size``. With ``vocab_size`` unknown only
+            ``<= 0`` counts as disabled.
+        top_p: per-request top-p or ``None``; each must be ``1.0``.
+        min_p: per-request min-p or ``None``; each must be ``0.0``.
+        vocab_size: the unpadded vocabulary, used for the top-k rule.
+        has_logits_processors: any logit bias / allowed ids / min_tokens / penalties / bad words
+            / custom sampler in the step.
+        returns_logprobs: any request wants logprobs (sampled or prompt-token ids).
+        has_structured_output: a grammar bitmask applies to this step.
+        has_draft_logits: the speculator keeps draft logits (probabilistic drafting).
+        adaptive_verification: ``enable_adaptive_verification``.
+        block_verification: ``rejection_sample_method == "block"``.
+        watermark: the rejection sampler has a watermark key.
+        compute_nans: ``VLLM_COMPUTE_NANS_IN_LOGITS`` (per-row NaN counts are an extra output).
+        return_sampling_mask: ``model_config.return_sampling_mask`` (extra output).
+        num_draft_tokens: drafts in the step; must be ``> 0``.
+
+    Returns:
+        :class:`ShardDecision`; e.g. ``ShardDecision(False, "temperature[3]=0.7 != 0
+        (non-greedy request)")``.
+
+    Raises:
+        Nothing for well-typed input: every failing rule is reported in the decision.
+    """
+    for i, t in enumerate(temperatures):
+        if t != 0.0:  # NaN also fails here
+            return _no(f"temperature[{i}]={t} != 0 (non-greedy request)")
+    if top_k is not None:
+        for i, k in enumerate(top_k):
+            if k > 0 and (vocab_size is None or k != vocab_size):
+                return _no(f"top_k[{i}]={k} != vocab_size={vocab_size} (top-k active)")
+    if top_p is not None:
+        for i, p in enumerate(top_p):
+            if p != 1.0:
+                return _no(f"top_p[{i}]={p} != 1 (top-p active)")
+    if min_p is not None:
+        for i, m in enumerate(min_p):
+            if m != 0.0:
+                return _no(f"min_p[{i}]={m} != 0 (min-p active)")
+    flags = (
+        (has_logits_processors, "logits processors active (bias/penalties/bad words/min_tokens)"),
+        (returns_logprobs, "logprobs requested"),
+        (has_structured_output, "structured output (grammar bitmask)"),
+        (has_draft_logits, "draft logits kept (probabilistic drafting)"),
+        (adaptive_verification, "adaptive verification enabled"),
+        (block_verification, "block verification enabled"),
+        (watermark, "watermarking enabled"),
+        (compute_nans, "NaN counting enabled (VLLM_COMPUTE_NANS_IN_LOGITS)"),
+        (return_sampling_mask, "return_sampling_mask enabled"),
+    )
+    for on, reason in flags:
+        if on:
+            return _no(reason)
+    if num_draft_tokens <= 0:
+        return _no(f"num_draft_tokens={num_draft_tokens} <= 0 (no drafts: plain sampler)")
+    return _OK

@@ -1,0 +1,98 @@
+"""Per-step gate (shardmax.gate.can_shard_verify), spec §5."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardmax.gate import ShardDecision, can_shard_verify
+
+GREEDY = [0.0, 0.0, 0.0]
+
+
+def test_greedy_batch_is_ok():
+    d = can_shard_verify(temperatures=GREEDY)
+    assert d == ShardDecision(True, None)
+    assert bool(d) is True
+    full = can_shard_verify(
+        temperatures=GREEDY,
+        top_k=[-1, 0, 32000],
+        top_p=[1.0, 1.0, 1.0],
+        min_p=[0.0, 0.0, 0.0],
+        vocab_size=32000,
+        num_draft_tokens=5,
+    )
+    assert full.ok and full.reason is None
+
+
+def test_empty_request_lists_are_ok():
+    assert can_shard_verify(temperatures=[], top_k=[], top_p=[], min_p=[])
+
+
+def test_decision_is_frozen_and_falsy_when_rejected():
+    d = can_shard_verify(temperatures=[0.7])
+    assert not d and d.ok is False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.ok = True  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"temperatures": [0.0, 0.0, 0.0, 0.7]}, "temperature[3]=0.7 != 0 (non-greedy request)"),
+        ({"temperatures": [1e-6]}, "temperature[0]=1e-06 != 0 (non-greedy request)"),
+        ({"temperatures": [float("nan")]}, "temperature[0]=nan != 0 (non-greedy request)"),
+        (
+            {"temperatures": GREEDY, "top_k": [-1, 50, 0], "vocab_size": 32000},
+            "top_k[1]=50 != vocab_size=32000 (top-k active)",
+        ),
+        (
+            {"temperatures": GREEDY, "top_k": [32000]},
+            "top_k[0]=32000 != vocab_size=None (top-k active)",
+        ),
+        ({"temperatures": GREEDY, "top_p": [1.0, 0.9]}, "top_p[1]=0.9 != 1 (top-p active)"),
+        ({"temperatures": GREEDY, "min_p": [0.0, 0.0, 0.05]}, "min_p[2]=0.05 != 0 (min-p active)"),
+        (
+            {"temperatures": GREEDY, "has_logits_processors": True},
+            "logits processors active (bias/penalties/bad words/min_tokens)",
+        ),
+        ({"temperatures": GREEDY, "returns_logprobs": True}, "logprobs requested"),
+        (
+            {"temperatures": GREEDY, "has_structured_output": True},
+            "structured output (grammar bitmask)",
+        ),
+        (
+            {"temperatures": GREEDY, "has_draft_logits": True},
+            "draft logits kept (probabilistic drafting)",
+        ),
+        ({"temperatures": GREEDY, "adaptive_verification": True}, "adaptive verification enabled"),
+        ({"temperatures": GREEDY, "block_verification": True}, "block verification enabled"),
+        ({"temperatures": GREEDY, "watermark": True}, "watermarking enabled"),
+        (
+            {"temperatures": GREEDY, "compute_nans": True},
+            "NaN counting enabled (VLLM_COMPUTE_NANS_IN_LOGITS)",
+        ),
+        ({"temperatures": GREEDY, "return_sampling_mask": True}, "return_sampling_mask enabled"),
+        (
+            {"temperatures": GREEDY, "num_draft_tokens": 0},
+            "num_draft_tokens=0 <= 0 (no drafts: plain sampler)",
+        ),
+    ],
+)
+def test_reasons(kwargs, reason):
+    d = can_shard_verify(**kwargs)
+    assert not d
+    assert d.reason == reason
+
+
+def test_first_failing_condition_is_reported():
+    d = can_shard_verify(
+        temperatures=[0.0, 1.0],
+        top_p=[0.5, 0.5],
+        watermark=True,
+        num_draft_tokens=0,
+    )
+    assert d.reason == "temperature[1]=1.0 != 0 (non-greedy request)"
+    d = can_shard_verify(temperatures=GREEDY, returns_logprobs=True, watermark=True)
+    assert d.reason == "logprobs requested"

@@ -1,0 +1,99 @@
+"""Bad input gets a clear error naming the argument, never a silent wrong answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardmax
+from shardmax.testing import random_verify_batch
+
+
+def test_argmax_rejects_bad_logits() -> None:
+    x = torch.randn(4, 64)
+    with pytest.raises(TypeError, match="local_logits"):
+        shardmax.vocab_parallel_argmax(x.numpy(), vocab_start=0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"local_logits.*2 dims"):
+        shardmax.vocab_parallel_argmax(x[0], vocab_start=0)
+    with pytest.raises(TypeError, match=r"local_logits: dtype torch\.float64"):
+        shardmax.vocab_parallel_argmax(x.double(), vocab_start=0)
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        shardmax.vocab_parallel_argmax(x.t(), vocab_start=0)
+    with pytest.raises(ValueError, match="num_valid: 65 out of range"):
+        shardmax.vocab_parallel_argmax(x, vocab_start=0, num_valid=65)
+    with pytest.raises(ValueError, match="num_valid: -1 out of range"):
+        shardmax.vocab_parallel_argmax(x, vocab_start=0, num_valid=-1)
+    with pytest.raises(ValueError, match="exceeds the largest supported vocabulary"):
+        shardmax.vocab_parallel_argmax(x, vocab_start=2**31 - 10)
+    with pytest.raises(TypeError, match="vocab_start"):
+        shardmax.vocab_parallel_argmax(x, vocab_start=1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="group"):
+        shardmax.vocab_parallel_argmax(x, vocab_start=0, group="nccl")
+
+
+def _batch():
+    return random_verify_batch(3, 3, 500, seed=1)
+
+
+def _call(b, **over):
+    args = dict(
+        zip(
+            [
+                "draft_sampled",
+                "cu_num_logits",
+                "pos",
+                "idx_mapping",
+                "expanded_local_pos",
+                "seed",
+                "num_speculative_steps",
+            ],
+            b.args(),
+            strict=True,
+        )
+    )
+    kwargs = {k: v for k, v in b.kwargs().items()}
+    logits = over.pop("local_logits", b.logits)
+    for k, v in over.items():
+        (args if k in args else kwargs)[k] = v
+    kwargs["vocab_start"] = 0
+    return shardmax.sharded_greedy_verify(logits, *args.values(), **kwargs)
+
+
+def test_verify_rejects_bad_batches() -> None:
+    b = _batch()
+    n = b.logits.shape[0]
+    with pytest.raises(ValueError, match="draft_sampled: shape"):
+        _call(b, draft_sampled=b.draft_sampled[:-1])
+    with pytest.raises(TypeError, match="draft_sampled: dtype"):
+        _call(b, draft_sampled=b.draft_sampled.float())
+    with pytest.raises(ValueError, match="cu_num_logits: expected 4 entries"):
+        _call(b, cu_num_logits=b.cu_num_logits[:-1])
+    bad_cu = b.cu_num_logits.clone()
+    bad_cu[-1] = n - 1
+    with pytest.raises(ValueError, match="cu_num_logits: must start at 0 and end"):
+        _call(b, cu_num_logits=bad_cu)
+    with pytest.raises(ValueError, match=r"cu_num_logits: request \d+ has \d+ logits rows"):
+        _call(b, num_speculative_steps=1, synthetic_conditional_rates=None)
+    with pytest.raises(ValueError, match="num_speculative_steps: must be >= 1"):
+        _call(b, num_speculative_steps=0)
+    big = b.draft_sampled.clone()
+    big[0] = 500
+    with pytest.raises(ValueError, match=r"draft_sampled: token ids must be in \[-1, 500\)"):
+        _call(b, draft_sampled=big)
+    with pytest.raises(TypeError, match="pos: dtype"):
+        _call(b, pos=b.pos.to(torch.int32))
+    with pytest.raises(ValueError, match="synthetic_conditional_rates: shape"):
+        _call(b, synthetic_conditional_rates=torch.ones(2))
+    with pytest.raises(ValueError, match="seq_lens and prefill_len"):
+        _call(b, prefill_len=None)
+    with pytest.raises(ValueError, match="idx_mapping: values must be in"):
+        _call(b, idx_mapping=b.idx_mapping + 1000)
+
+
+def test_placeholder_draft_is_legal() -> None:
+    b = _batch()
+    d = b.draft_sampled.clone()
+    d[1] = -1
+    sampled, num_sampled, _ = _call(b, draft_sampled=d)
+    assert int(num_sampled[0]) >= 1
+    assert sampled.shape == (3, 4)
