@@ -18,10 +18,12 @@ Misses are logged once per key with the command that tunes them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,9 +192,37 @@ def _adapt(row: dict[str, Any], p: Problem, tuned: bool, source: str) -> Selecti
 _logged: set[tuple[Any, ...]] = set()
 
 
-@functools.cache
+_override: dict[str, Any] | None = None
+
+
+@contextlib.contextmanager
+def override(**fields: Any) -> Iterator[None]:
+    """Force parts of every selection inside the block (tests, benchmarks, the tuner).
+
+    ``variant`` replaces the variant name (``"plain"`` forces the unsharded path); any other
+    keyword (``transport``, ``splits``, ``num_warps``, ``num_stages``) replaces that launch
+    parameter. Forced selections report ``is_tuned=False`` and ``source="override"``. Not
+    thread-safe; every rank must enter the same override.
+    """
+    global _override
+    old, _override = _override, dict(fields)
+    try:
+        yield
+    finally:
+        _override = old
+
+
 def select(problem: Problem) -> Selection:
     """Choose variant + launch parameters for ``problem`` (pure, cached, rank-identical)."""
+    sel = _select_cached(problem)
+    if _override is None:
+        return sel
+    launch = {**sel.launch, **{k: v for k, v in _override.items() if k != "variant"}}
+    return Selection(str(_override.get("variant", sel.variant)), launch, False, "override")
+
+
+@functools.cache
+def _select_cached(problem: Problem) -> Selection:
     arch = problem.arch if problem.arch is not None else detect_arch()
     if arch is None:  # CPU / interpreter: nothing was tuned for it
         return builtin_default(problem, target_programs=1)
@@ -231,3 +261,77 @@ def select(problem: Problem) -> Selection:
             problem.op,
         )
     return builtin_default(problem)
+
+
+select.cache_clear = _select_cached.cache_clear  # type: ignore[attr-defined]
+
+
+def warmup(
+    problems: list[Problem],
+    *,
+    num_speculative_steps: tuple[int, ...] = (),
+    device: torch.device | str | None = None,
+) -> list[str]:
+    """Compile every kernel that ``select`` can choose for ``problems`` before graph capture.
+
+    Launches each selected local variant once on random logits of the problem's width (same
+    dtype, row-stride alignment and launch parameters as a real call, so the same Triton
+    specialisation) and its finish kernel for the problem's TP size; for ``verify`` problems,
+    once per K in ``num_speculative_steps`` and per synthetic / chunked-prefill flag, with vLLM's
+    index dtypes (int32 drafts, cu_num_logits, idx_mapping, seq_lens, prefill_len; int64
+    positions and seeds). Sizes are not specialised by the kernels, so afterwards a CUDA graph of
+    any batch size of these problems captures without compiling. No collective is issued.
+
+    Returns the names of the kernels launched.
+    """
+    from shardmax import kernels
+
+    dev = (
+        torch.device(device)
+        if device is not None
+        else (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    )
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    launched: list[str] = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for p in problems:
+        sel = select(p)
+        if sel.variant == PLAIN:
+            continue
+        width = p.width if p.align == 1 or p.width % 16 == 0 else p.width + 16 - p.width % 16
+        rows = max(1, p.rows)
+        logits = torch.randn(rows, width, generator=gen).to(dtypes[p.dtype]).to(dev)
+        keys = kernels.shard_keys(
+            logits,
+            0,
+            p.width,
+            sel.variant,
+            splits=sel.splits,
+            num_warps=int(sel.launch.get("num_warps", 4)),
+            num_stages=int(sel.launch.get("num_stages", 2)),
+        )
+        launched.append(sel.variant)
+        tp = p.tp
+        gathered = keys if sel.transport == "allreduce" else keys.repeat(tp, 1)
+        finish = sel.finish_variant(p.op, tp)
+        if p.op == "argmax":
+            kernels.argmax_pick(gathered, rows, tp, finish)
+            launched.append(finish)
+            continue
+        i32, i64 = torch.int32, torch.int64
+        for k in num_speculative_steps:
+            draft = torch.zeros(rows, dtype=i32, device=dev)
+            cu = torch.tensor([0, rows], dtype=i32, device=dev)
+            pos = torch.arange(rows, dtype=i64, device=dev)
+            idx = torch.zeros(1, dtype=i32, device=dev)
+            seed = torch.zeros(1, dtype=i64, device=dev)
+            rates = torch.ones(k, dtype=torch.float32, device=dev)
+            seq_lens = torch.ones(1, dtype=i32, device=dev)
+            prefill = torch.zeros(1, dtype=i32, device=dev)
+            for synthetic in (None, rates):
+                for prefill_args in ((None, None), (seq_lens, prefill)):
+                    kernels.verify_finish(
+                        gathered, tp, finish, draft, cu, pos, idx, seed, k, synthetic, *prefill_args
+                    )
+            launched.append(f"{finish}[K={k}]")
+    return launched

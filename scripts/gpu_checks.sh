@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# GPU checks: run on the H200 machine (1 or 2 GPUs). Installs shardmax into the image's Python
+# (no network: carried wheels in .whl/ for optuna if present), runs every GPU-marked test
+# (gpu, multigpu), then prints a short table. Usage:
+#   bash scripts/gpu_checks.sh [extra pytest args]
+# Writes the JUnit XML and the log under ${OUT:-out}/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-out}
+mkdir -p "$OUT_DIR"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT_DIR/install.log" 2>&1 \
+  || { echo "install failed"; tail -20 "$OUT_DIR/install.log"; exit 1; }
+python3 - <<'PY'
+import torch, triton
+n = torch.cuda.device_count()
+print(f"torch {torch.__version__} triton {triton.__version__} GPUs {n}: "
+      f"{[torch.cuda.get_device_name(i) for i in range(n)]}")
+PY
+start=$(date +%s)
+python3 -m pytest -m "gpu or multigpu" -q -p no:cacheprovider --junitxml="$OUT_DIR/gpu-tests.xml" "$@" \
+  tests/test_gpu.py tests/test_distributed.py tests/test_reference.py 2>&1 | tee "$OUT_DIR/gpu-tests.log" | tail -25
+rc=${PIPESTATUS[0]}
+python3 - "$OUT_DIR/gpu-tests.xml" "$(( $(date +%s) - start ))" <<'PY'
+import collections, sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+rows = collections.OrderedDict()
+for case in root.iter("testcase"):
+    group = case.get("classname", "").rsplit(".", 1)[-1] + "::" + case.get("name", "").split("[")[0]
+    r = rows.setdefault(group, collections.Counter())
+    state = "failed" if case.find("failure") is not None or case.find("error") is not None else (
+        "skipped" if case.find("skipped") is not None else "passed")
+    r[state] += 1
+print(f"\n{'GPU test':62} {'pass':>5} {'fail':>5} {'skip':>5}")
+for g, c in rows.items():
+    print(f"{g[:62]:62} {c['passed']:5d} {c['failed']:5d} {c['skipped']:5d}")
+tot = sum(rows.values(), collections.Counter())
+print(f"{'TOTAL (' + sys.argv[2] + ' s)':62} {tot['passed']:5d} {tot['failed']:5d} {tot['skipped']:5d}")
+PY
+exit "$rc"

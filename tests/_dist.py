@@ -1,0 +1,62 @@
+"""Run a test body in N processes forming a torch.distributed group (gloo on CPU, NCCL on GPUs).
+
+Each rank calls ``fn(rank, world_size, *args)``; an exception in any rank fails the test with
+that rank's traceback. Used by tests/test_distributed.py.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    backend: str,
+    init_file: str,
+    err_dir: str,
+    fn: Callable[..., None],
+    args: tuple[Any, ...],
+) -> None:
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
+        try:
+            fn(rank, world_size, *args)
+        finally:
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def run_ranks(fn: Callable[..., None], world_size: int, backend: str, *args: Any) -> None:
+    """Spawn ``world_size`` ranks running ``fn``; raise AssertionError with rank tracebacks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        try:
+            mp.spawn(
+                _worker,
+                args=(world_size, backend, init_file, tmp, fn, args),
+                nprocs=world_size,
+                join=True,
+            )
+        except Exception as e:
+            logs = [
+                Path(tmp, p).read_text() for p in sorted(os.listdir(tmp)) if p.startswith("rank")
+            ]
+            raise AssertionError("\n".join(logs) or str(e)) from e

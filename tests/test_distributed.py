@@ -1,0 +1,127 @@
+"""Real collectives across processes: gloo on CPU (CI), NCCL on 2 GPUs (marked multigpu).
+
+Each rank holds only its vLLM-layout shard of the same full logits; the sharded ops must return
+exactly the plain path's answer (the reference on the full logits) on every rank, for both
+transports, eagerly and (NCCL) under CUDA-graph replay with changing inputs. Mismatched shard
+geometry raises on every rank instead of hanging.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardmax
+from shardmax import dispatch, reference
+from shardmax.testing import adversarial_logits, random_verify_batch, shard_like_vllm
+from tests._dist import run_ranks
+
+
+def _same_on_all_ranks(t: torch.Tensor, world: int) -> None:
+    gathered = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(gathered, t.contiguous())
+    for g in gathered:
+        assert torch.equal(g, t), "ranks disagree"
+
+
+def _parity_body(rank: int, world: int, device: str, vocab: int, graphed: bool) -> None:
+    dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    group = dist.group.WORLD
+    for transport in ("allgather", "allreduce"):
+        for step, dtype in enumerate((torch.bfloat16, torch.float32)):
+            full = adversarial_logits(20, vocab, dtype=dtype, seed=step, tp_size=world, block=1024)
+            shard = shard_like_vllm(full, world)[rank]
+            local = shard.local_logits.to(dev)
+            with dispatch.override(transport=transport, splits=2):
+                ids = shardmax.vocab_parallel_argmax(
+                    local, vocab_start=shard.vocab_start, num_valid=shard.num_valid, group=group
+                )
+            assert torch.equal(ids.cpu(), reference.argmax(full)), (transport, dtype)
+            _same_on_all_ranks(ids, world)
+
+            batch = random_verify_batch(10, 3, vocab, seed=step, dtype=dtype, synthetic=(step == 1))
+            vshard = shard_like_vllm(batch.logits, world)[rank]
+            args = [a.to(dev) if isinstance(a, torch.Tensor) else a for a in batch.args()]
+            kwargs = {
+                k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
+                for k, v in batch.kwargs().items()
+            }
+            with dispatch.override(transport=transport):
+                got = shardmax.sharded_greedy_verify(
+                    vshard.local_logits.to(dev),
+                    *args,
+                    vocab_start=vshard.vocab_start,
+                    num_valid=vshard.num_valid,
+                    group=group,
+                    **kwargs,
+                )
+            for g, w in zip(got, batch.reference(), strict=True):
+                assert torch.equal(g.cpu(), w), (transport, dtype)
+                _same_on_all_ranks(g, world)
+
+    if graphed:
+        _graph_replay(rank, world, dev, vocab)
+
+
+def _graph_replay(rank: int, world: int, dev: torch.device, vocab: int) -> None:
+    """Capture local kernel + NCCL collective + finish once, replay with new logits."""
+    group = dist.group.WORLD
+    for transport in ("allgather", "allreduce"):
+        full = torch.randn(96, vocab, dtype=torch.bfloat16)
+        shard = shard_like_vllm(full, world)[rank]
+        static = shard.local_logits.to(dev).clone()
+        with dispatch.override(transport=transport):
+            shardmax.vocab_parallel_argmax(
+                static, vocab_start=shard.vocab_start, num_valid=shard.num_valid, group=group
+            )  # warm-up
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = shardmax.vocab_parallel_argmax(
+                    static, vocab_start=shard.vocab_start, num_valid=shard.num_valid, group=group
+                )
+        for seed in range(3):
+            g = torch.Generator().manual_seed(100 + seed)
+            full = torch.randn(96, vocab, generator=g).to(torch.bfloat16)
+            full[seed, 5] = 100.0  # plant a winner
+            static.copy_(shard_like_vllm(full, world)[rank].local_logits.to(dev))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out.cpu(), reference.argmax(full)), (transport, seed)
+
+
+def _mismatch_body(rank: int, world: int, device: str) -> None:
+    dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    local = torch.randn(4, 128, device=dev)
+    # rank 1 claims a vocab range that overlaps rank 0's: must raise on every rank
+    start = 0 if rank == 0 else 100
+    with pytest.raises(ValueError, match="shard geometry mismatch"):
+        shardmax.vocab_parallel_argmax(local, vocab_start=start, group=dist.group.WORLD)
+    width = 128 if rank == 0 else 192
+    with pytest.raises(ValueError, match="local widths differ"):
+        shardmax.vocab_parallel_argmax(
+            torch.randn(4, width, device=dev),
+            vocab_start=rank * 128,
+            num_valid=128,
+            group=dist.group.WORLD,
+        )
+
+
+def test_gloo_two_ranks_parity() -> None:
+    run_ranks(_parity_body, 2, "gloo", "cpu", 5003, False)
+
+
+def test_gloo_geometry_mismatch_raises_on_every_rank() -> None:
+    run_ranks(_mismatch_body, 2, "gloo", "cpu")
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("vocab", [32001, 200064])
+def test_nccl_two_gpus_parity_eager_and_graphed(vocab: int) -> None:
+    run_ranks(_parity_body, 2, "nccl", "cuda", vocab, True)
+
+
+@pytest.mark.multigpu
+def test_nccl_geometry_mismatch_raises_on_every_rank() -> None:
+    run_ranks(_mismatch_body, 2, "nccl", "cuda")

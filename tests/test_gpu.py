@@ -1,0 +1,164 @@
+"""GPU checks (marked ``gpu``; skipped without a device). Run on the H200 by scripts/gpu_checks.sh.
+
+1. every generated shard_keys variant x every finish (TP 1/2/3/4/8, both transports) == torch.argmax
+   on the adversarial suite at real vocab sizes; 2. every verify finish == the reference;
+3. the public ops through the dispatcher (packaged table for this arch); 4. CUDA-graph capture and
+replay with changing inputs == eager; 5. after ``dispatch.warmup`` a capture compiles nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardmax
+from generator.space import local_variants
+from shardmax import dispatch, reference
+from shardmax.dispatch import Problem, Selection
+from shardmax.testing import (
+    ADVERSARIAL_CASES,
+    adversarial_logits,
+    assert_same_ids,
+    emulate_greedy_verify,
+    emulate_vocab_parallel_argmax,
+    random_verify_batch,
+)
+from shardmax.variants import parse_name
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOPOLOGIES = [
+    (1, "allreduce"),
+    (2, "allgather"),
+    (3, "allgather"),
+    (4, "allgather"),
+    (8, "allgather"),
+    (8, "allreduce"),
+]
+
+
+@pytest.mark.parametrize("variant", [k.name for k in local_variants()])
+def test_every_variant_on_gpu(variant: str) -> None:
+    key = parse_name(variant)
+    dtype = TORCH_DTYPE[str(key.dtype)]
+    for vocab in (50257, 151936, 200064):
+        for tp, transport in TOPOLOGIES:
+            for splits in (1, 4, 16):
+                logits = adversarial_logits(
+                    2 * len(ADVERSARIAL_CASES),
+                    vocab,
+                    dtype=dtype,
+                    seed=vocab + tp + splits,
+                    tp_size=tp,
+                    block=int(key.block or 1024),
+                    device=DEV,
+                )
+                sel = Selection(
+                    variant,
+                    {"splits": splits, "num_warps": 8, "num_stages": 2, "transport": transport},
+                    False,
+                    "test",
+                )
+                got = emulate_vocab_parallel_argmax(logits, tp, selection=sel)
+                assert_same_ids(got.cpu(), torch.argmax(logits, dim=-1).cpu(), logits.cpu())
+
+
+@pytest.mark.parametrize(("tp", "transport"), TOPOLOGIES)
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_every_verify_finish_on_gpu(tp: int, transport: str, k: int) -> None:
+    for vocab in (32001, 200064):
+        for synthetic in (False, True):
+            batch = random_verify_batch(
+                24,
+                k,
+                vocab,
+                seed=vocab + tp + k,
+                synthetic=synthetic,
+                dtype=torch.bfloat16,
+                device=DEV,
+            )
+            sel = Selection(
+                "shard_keys_bf16_va1_b4096",
+                {"splits": 4, "num_warps": 8, "transport": transport},
+                False,
+                "t",
+            )
+            got = emulate_greedy_verify(
+                batch.logits, tp, *batch.args(), selection=sel, **batch.kwargs()
+            )
+            for g, w in zip(got, batch.reference(), strict=True):
+                assert torch.equal(g.cpu(), w.cpu())
+
+
+@pytest.mark.parametrize("rows", [1, 32, 96, 512])
+def test_public_ops_through_dispatcher(rows: int) -> None:
+    logits = torch.randn(rows, 50016, device=DEV, dtype=torch.bfloat16)  # V=200064 at TP4
+    got = shardmax.vocab_parallel_argmax(logits, vocab_start=50016)
+    assert torch.equal(got, torch.argmax(logits, dim=-1) + 50016)
+    sel = dispatch.select(Problem("argmax", "bf16", 1, rows, 50016, 16))
+    assert sel.variant == "plain" or sel.variant.startswith("shard_keys_bf16_va16_")
+
+
+def test_cuda_graph_replay_matches_eager() -> None:
+    static = torch.randn(96, 50016, device=DEV, dtype=torch.bfloat16)
+    batch = random_verify_batch(24, 3, 50016, seed=5, device=DEV, dtype=torch.bfloat16)
+    vstatic = batch.logits.clone()
+    with dispatch.override(variant="shard_keys_bf16_va16_b4096"):
+        shardmax.vocab_parallel_argmax(static, vocab_start=0)
+        shardmax.sharded_greedy_verify(vstatic, *batch.args(), vocab_start=0, **batch.kwargs())
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ids = shardmax.vocab_parallel_argmax(static, vocab_start=0)
+            verified = shardmax.sharded_greedy_verify(
+                vstatic, *batch.args(), vocab_start=0, **batch.kwargs()
+            )
+    for i in range(4):
+        static.copy_(torch.randn_like(static))
+        vstatic.copy_(torch.randn_like(vstatic))
+        vstatic[i] = 0.0
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ids, torch.argmax(static, dim=-1))
+        want = reference.greedy_verify(vstatic, *batch.args(), **batch.kwargs())
+        for g, w in zip(verified, want, strict=True):
+            assert torch.equal(g, w)
+
+
+def _compiled() -> int:
+    """Compiled kernel binaries held by every generated module loaded so far."""
+    import sys
+
+    total = 0
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("shardmax.generated.") and hasattr(mod, "kernel"):
+            for cache in mod.kernel.device_caches.values():
+                total += len(cache[0])
+    return total
+
+
+def test_capture_after_warmup_never_compiles() -> None:
+    # vLLM captures a fixed list of batch sizes; warm up exactly those, then capture.
+    sizes = (7, 96, 300)
+    inputs = []
+    for rows in sizes:
+        logits = torch.randn(rows, 50016, device=DEV, dtype=torch.bfloat16)
+        batch = random_verify_batch(
+            max(1, rows // 4), 3, 50016, seed=rows, device=DEV, dtype=torch.bfloat16
+        )
+        inputs.append((logits, batch))
+    problems = [Problem("argmax", "bf16", 1, rows, 50016, 16) for rows in sizes]
+    problems += [Problem("verify", "bf16", 1, b.logits.shape[0], 50016, 16) for _, b in inputs]
+    dispatch.warmup(problems, num_speculative_steps=(3,))
+    before = _compiled()
+    for logits, batch in inputs:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            shardmax.vocab_parallel_argmax(logits, vocab_start=0)
+            shardmax.sharded_greedy_verify(
+                batch.logits, *batch.args(), vocab_start=0, **batch.kwargs()
+            )
+        graph.replay()
+    torch.cuda.synchronize()
+    assert _compiled() == before, "a launch during capture compiled a kernel"
