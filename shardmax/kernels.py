@@ -10,12 +10,26 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from types import ModuleType
 
 import torch
 import triton
 
 from shardmax.variants import VariantKey, parse_name
+
+
+_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_device(t: torch.Tensor) -> None:
+    """CPU tensors run only in the Triton interpreter, which must be on before Triton loads."""
+    if t.device.type == "cpu" and not _INTERPRET_AT_IMPORT:
+        raise RuntimeError(
+            "shardmax kernels got CPU tensors but the Triton interpreter is off: set "
+            "TRITON_INTERPRET=1 in the environment before importing shardmax/triton (or move "
+            "the tensors to a GPU)"
+        )
 
 
 @functools.cache
@@ -47,6 +61,7 @@ def shard_keys(
 ) -> torch.Tensor:
     """Local stage: ``[rows, W]`` logits -> ``[rows, splits]`` int64 packed keys."""
     mod = load(variant)
+    _check_device(local_logits)
     rows = local_logits.shape[0]
     keys = torch.empty((rows, splits), dtype=torch.int64, device=local_logits.device)
     if rows == 0:

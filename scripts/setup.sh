@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Set-up shared by scripts/run.sh and scripts/test.sh: a virtual environment in .venv with
+# shardmax installed editable (+ dev tools). Safe to re-run; sourced, not executed.
+#  - On a CPU machine: torch is pinned to the CPU build (pip install torch==2.13.0 takes the
+#    local CPU wheel here; a plain `pip install torch` could pull a multi-GB CUDA build).
+#  - On a GPU machine whose Python already has a CUDA/ROCm torch: the venv sees the system
+#    packages and keeps that torch and Triton.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  if $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    $PY -m venv --system-site-packages .venv
+  else
+    $PY -m venv .venv
+  fi
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if ! python -c "import torch" 2>/dev/null; then
+  echo "[setup] installing the CPU build of torch (torch==2.13.0)"
+  python -m pip install -q "torch==2.13.0"
+fi
+if ! python -c "import shardmax, optuna, ruff, mypy, pytest" 2>/dev/null \
+    || [ pyproject.toml -nt .venv/.shardmax-installed ]; then
+  echo "[setup] installing shardmax (editable) with dev tools"
+  python -m pip install -q -e ".[dev]"
+  touch .venv/.shardmax-installed
+fi
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  export TRITON_INTERPRET=1  # no GPU: every Triton kernel runs in the interpreter
+fi

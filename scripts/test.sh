@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The test command (README): set-up, lint, types, generated-code freshness + AOT compile of
+# every variant for sm90 and gfx950, then the pytest suite (CPU: Triton interpreter; GPU
+# tests skip without a device). CI (.ci/run) runs exactly this, then the vLLM end-to-end test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/setup.sh
+echo "== lint (ruff) and types (mypy)"
+ruff check shardmax generator tuner tests benchmarks
+ruff format --check shardmax generator tuner tests benchmarks
+mypy shardmax generator tuner
+echo "== generator: generated/ up to date, every variant compiles for sm90 and gfx950"
+python -m generator --check --arch all
+echo "== pytest"
+python -m pytest -q "$@"
