@@ -18,7 +18,6 @@ import triton
 
 from shardmax.variants import VariantKey, parse_name
 
-
 _INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"
 
 

@@ -57,8 +57,14 @@ class FakeLogitsProcessor:
         return torch.full((hidden_states.shape[0],), -7, dtype=torch.int64)
 
 
-def _setup(vocab: int = 50, width: int = 64, hidden: int = 16, rows: int = 9, seed: int = 0,
-           dtype: torch.dtype = torch.float32):
+def _setup(
+    vocab: int = 50,
+    width: int = 64,
+    hidden: int = 16,
+    rows: int = 9,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(width, hidden, generator=g)
     w[vocab:] = 0.0  # vLLM zero-fills padding rows: padded logits are exactly 0
@@ -96,8 +102,9 @@ def test_import_without_vllm():
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "SHARDMAX_VLLM"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
 
@@ -198,8 +205,10 @@ def test_stats_dump(tmp_path, monkeypatch):
 
 
 def test_normalize_reason():
-    assert (smv._normalize_reason("temperature[3]=0.7 != 0 (non-greedy request)")
-            == "temperature != 0 (non-greedy request)")
+    assert (
+        smv._normalize_reason("temperature[3]=0.7 != 0 (non-greedy request)")
+        == "temperature != 0 (non-greedy request)"
+    )
 
 
 def _batch(num_logits_per_req, vocab, seed=0):
@@ -227,10 +236,24 @@ def test_rejection_sample_sharded_tp1_matches_reference():
     padded = torch.zeros(logits.shape[0], width)
     padded[:, :vocab] = logits
     sampled, num_sampled = smv.rejection_sample_sharded(
-        padded, None, draft, cu, pos, idx, idx, local, torch.zeros(8), seeds, k,
-        vocab_start=0, num_valid=vocab, group=None)
-    ref_sampled, ref_num = reference.rejection_sample_greedy(logits, draft, cu, pos, idx, local,
-                                                             seeds, k)
+        padded,
+        None,
+        draft,
+        cu,
+        pos,
+        idx,
+        idx,
+        local,
+        torch.zeros(8),
+        seeds,
+        k,
+        vocab_start=0,
+        num_valid=vocab,
+        group=None,
+    )
+    ref_sampled, ref_num = reference.rejection_sample_greedy(
+        logits, draft, cu, pos, idx, local, seeds, k
+    )
     assert torch.equal(num_sampled.to(torch.int64), ref_num.to(torch.int64))
     for r in range(sampled.shape[0]):
         n = int(ref_num[r])

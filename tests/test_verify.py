@@ -29,17 +29,26 @@ def _check(batch, tp: int, selection: Selection | None = None, logits=None) -> N
 
 
 # (tp, transport) pairs covering every verify_finish variant
-FINISHES = [(2, "allgather"), (4, "allgather"), (8, "allgather"), (3, "allgather"),
-            (1, "allreduce"), (4, "allreduce")]
+FINISHES = [
+    (2, "allgather"),
+    (4, "allgather"),
+    (8, "allgather"),
+    (3, "allgather"),
+    (1, "allreduce"),
+    (4, "allreduce"),
+]
 
 
 @pytest.mark.parametrize(("tp", "transport"), FINISHES)
 @pytest.mark.parametrize("synthetic", [False, True])
 def test_every_finish_variant(tp: int, transport: str, synthetic: bool) -> None:
     batch = random_verify_batch(12, 3, 3001, seed=tp * 7 + synthetic, synthetic=synthetic)
-    sel = Selection("shard_keys_fp32_va1_b1024",
-                    {"splits": 2, "num_warps": 4, "num_stages": 1, "transport": transport},
-                    False, "test")
+    sel = Selection(
+        "shard_keys_fp32_va1_b1024",
+        {"splits": 2, "num_warps": 4, "num_stages": 1, "transport": transport},
+        False,
+        "test",
+    )
     _check(batch, tp, sel)
 
 
@@ -48,8 +57,9 @@ def test_every_finish_variant(tp: int, transport: str, synthetic: bool) -> None:
 def test_vocab_and_k(vocab: int, k: int) -> None:
     num_reqs = 8 if vocab <= 50257 else 3
     for tp in (1, 2, 3, 4, 8):
-        batch = random_verify_batch(num_reqs, k, vocab, seed=vocab + k + tp,
-                                    dtype=torch.bfloat16, synthetic=(tp % 2 == 1))
+        batch = random_verify_batch(
+            num_reqs, k, vocab, seed=vocab + k + tp, dtype=torch.bfloat16, synthetic=(tp % 2 == 1)
+        )
         _check(batch, tp)
 
 
@@ -122,6 +132,8 @@ def test_nan_rows_stay_in_vocabulary() -> None:
 def test_public_op_single_rank_matches_reference() -> None:
     batch = random_verify_batch(9, 3, 2500, seed=11, synthetic=True)
     want = batch.reference()
-    got = shardmax.sharded_greedy_verify(batch.logits, *batch.args(), vocab_start=0, **batch.kwargs())
+    got = shardmax.sharded_greedy_verify(
+        batch.logits, *batch.args(), vocab_start=0, **batch.kwargs()
+    )
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w, g)

@@ -83,7 +83,8 @@ def write(out_dir: str, vocab: int, layer2_std: float) -> dict[str, str]:
         d = os.path.join(out_dir, name)
         os.makedirs(d, exist_ok=True)
         keep = {
-            k: v for k, v in w.items()
+            k: v
+            for k, v in w.items()
             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
         }
         save_file(keep, os.path.join(d, "model.safetensors"))

@@ -54,8 +54,13 @@ def _engine_env(tp: int, runner: str) -> dict[str, str]:
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     if runner == "v2":
-        env.update({"SHARDMAX_FAKE_TRITON_CPU": "1", "TRITON_INTERPRET": "1",
-                    "VLLM_USE_V2_MODEL_RUNNER": "1"})
+        env.update(
+            {
+                "SHARDMAX_FAKE_TRITON_CPU": "1",
+                "TRITON_INTERPRET": "1",
+                "VLLM_USE_V2_MODEL_RUNNER": "1",
+            }
+        )
     return env
 
 
@@ -102,8 +107,9 @@ def main() -> None:
     # engine environment in place so that this process and its workers all see it.
     env = _engine_env(args.tp, args.runner)
     if any(os.environ.get(k) != v for k, v in env.items()) and not os.environ.get("_SM_REEXEC"):
-        os.execve(sys.executable, [sys.executable, *sys.argv],
-                  {**os.environ, **env, "_SM_REEXEC": "1"})
+        os.execve(
+            sys.executable, [sys.executable, *sys.argv], {**os.environ, **env, "_SM_REEXEC": "1"}
+        )
 
     t_start = time.time()
     from vllm import LLM, SamplingParams
@@ -131,22 +137,32 @@ def main() -> None:
         disable_log_stats=False,
     )
     result: dict = {
-        "tp": args.tp, "k": args.k, "runner": args.runner,
+        "tp": args.tp,
+        "k": args.k,
+        "runner": args.runner,
         "shardmax_vllm": os.environ.get("SHARDMAX_VLLM", ""),
-        "init_s": round(time.time() - t0, 1), "scenarios": {},
+        "init_s": round(time.time() - t0, 1),
+        "scenarios": {},
     }
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
-                            detokenize=False)
+    greedy = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False
+    )
     for scenario in [s for s in args.scenarios.split(",") if s]:
         prompts = [{"prompt_token_ids": p} for p in GREEDY_PROMPTS]
         params = [greedy] * len(prompts)
         if scenario == "mixed":
             for p, seed in SAMPLED_PROMPTS:
                 prompts.append({"prompt_token_ids": p})
-                params.append(SamplingParams(temperature=0.8, seed=seed,
-                                             max_tokens=max(4, args.max_tokens // 2),
-                                             ignore_eos=True, detokenize=False))
+                params.append(
+                    SamplingParams(
+                        temperature=0.8,
+                        seed=seed,
+                        max_tokens=max(4, args.max_tokens // 2),
+                        ignore_eos=True,
+                        detokenize=False,
+                    )
+                )
         elif scenario != "greedy":
             raise SystemExit(f"unknown scenario {scenario!r}")
         before = _spec_metrics(llm)
@@ -165,8 +181,11 @@ def main() -> None:
         }
         s = result["scenarios"][scenario]
         rate = (s["accepted"] / s["drafted"]) if s["drafted"] else float("nan")
-        print(f"[{scenario}] accepted/drafted = {s['accepted']}/{s['drafted']} "
-              f"({rate:.3f})  generate {gen_s:.1f}s", flush=True)
+        print(
+            f"[{scenario}] accepted/drafted = {s['accepted']}/{s['drafted']} "
+            f"({rate:.3f})  generate {gen_s:.1f}s",
+            flush=True,
+        )
         for i, ids in enumerate(s["token_ids"]):
             print(f"[{scenario}] prompt {i}: {ids}", flush=True)
     result["total_s"] = round(time.time() - t_start, 1)

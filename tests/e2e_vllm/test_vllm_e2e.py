@@ -44,9 +44,17 @@ pytestmark = [
 ]
 
 # Environment variables of the caller that would change the engine under test.
-_SCRUB = ("SHARDMAX_VLLM", "SHARDMAX_VLLM_STATS_DIR", "VLLM_PLUGINS", "VLLM_USE_V2_MODEL_RUNNER",
-          "TRITON_INTERPRET", "SHARDMAX_FAKE_TRITON_CPU", "_SM_REEXEC", "VIRTUAL_ENV",
-          "PYTHONPATH")
+_SCRUB = (
+    "SHARDMAX_VLLM",
+    "SHARDMAX_VLLM_STATS_DIR",
+    "VLLM_PLUGINS",
+    "VLLM_USE_V2_MODEL_RUNNER",
+    "TRITON_INTERPRET",
+    "SHARDMAX_FAKE_TRITON_CPU",
+    "_SM_REEXEC",
+    "VIRTUAL_ENV",
+    "PYTHONPATH",
+)
 
 
 def _run(tmp: str, name: str, model_dir: str, shardmax_on: bool) -> dict:
@@ -56,12 +64,29 @@ def _run(tmp: str, name: str, model_dir: str, shardmax_on: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
     if shardmax_on:
         env.update({"SHARDMAX_VLLM": "1", "SHARDMAX_VLLM_STATS_DIR": stats_dir})
-    cmd = [VPY, os.path.join(HERE, "run_engine.py"), "--model-dir", model_dir, "--out", out,
-           "--scenarios", "greedy,mixed", "--max-tokens", MAX_TOKENS]
+    cmd = [
+        VPY,
+        os.path.join(HERE, "run_engine.py"),
+        "--model-dir",
+        model_dir,
+        "--out",
+        out,
+        "--scenarios",
+        "greedy,mixed",
+        "--max-tokens",
+        MAX_TOKENS,
+    ]
     t0 = time.time()
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tmp,
-                              timeout=RUN_TIMEOUT_S, check=False)
+        proc = subprocess.run(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp,
+            timeout=RUN_TIMEOUT_S,
+            check=False,
+        )
     wall = time.time() - t0
     if proc.returncode != 0 or not os.path.exists(out):
         with open(log) as f:
@@ -75,9 +100,13 @@ def _run(tmp: str, name: str, model_dir: str, shardmax_on: bool) -> dict:
         with open(p) as f:
             stats.append(json.load(f))
     result["stats"] = stats
-    print(f"[e2e] {name}: wall {wall:.1f}s init {result['init_s']}s "
-          + " ".join(f"{s}: gen {v['gen_s']}s acc {v['accepted']}/{v['drafted']}"
-                     for s, v in result["scenarios"].items()))
+    print(
+        f"[e2e] {name}: wall {wall:.1f}s init {result['init_s']}s "
+        + " ".join(
+            f"{s}: gen {v['gen_s']}s acc {v['accepted']}/{v['drafted']}"
+            for s, v in result["scenarios"].items()
+        )
+    )
     return result
 
 
@@ -87,8 +116,11 @@ def runs(tmp_path_factory):
         pytest.fail(f"SHARDMAX_E2E=1 but no e2e venv at {VENV}: run tests/e2e_vllm/setup_env.sh")
     tmp = str(tmp_path_factory.mktemp("vllm_e2e"))
     model_dir = os.path.join(tmp, "model")
-    subprocess.run([VPY, os.path.join(HERE, "make_model.py"), model_dir,
-                    "--layer2-std", LAYER2_STD], check=True, capture_output=True)
+    subprocess.run(
+        [VPY, os.path.join(HERE, "make_model.py"), model_dir, "--layer2-std", LAYER2_STD],
+        check=True,
+        capture_output=True,
+    )
     off = _run(tmp, "plugin_off", model_dir, shardmax_on=False)
     on = _run(tmp, "plugin_on", model_dir, shardmax_on=True)
     return off, on
