@@ -12,7 +12,9 @@ Resolution order (design §4):
 A table row's variant fixes the block size; the input's dtype and the alignment actually
 available always win (a bf16 row never launches an fp32 load path), so the catch-all row serves
 every dtype. Rows are matched in order; a row matches when every key of its ``match`` holds
-(``dtype``/``tp``/``align`` equal, ``rows <= rows_le``, ``width <= width_le``).
+(``dtype``/``tp``/``align`` equal, ``rows <= rows_le``, ``width <= width_le``). A selection is
+tuned when the table is, the row does not say ``"tuned": false`` (portable rows kept for
+geometries that were never measured) and it is not the catch-all.
 Misses are logged once per key with the command that tunes them.
 """
 
@@ -183,7 +185,7 @@ def _adapt(row: dict[str, Any], p: Problem, tuned: bool, source: str) -> Selecti
     key = parse_name(variant)
     if key.dtype != p.dtype or key.align != p.align:
         key = VariantKey("shard_keys", dtype=p.dtype, align=p.align, block=key.block)
-        tuned = tuned and False  # adapted: not what was measured
+        tuned = False  # adapted to another dtype/alignment: not what was measured
     splits = min(int(launch["splits"]), max(1, triton.cdiv(p.width, int(key.block or 1))))
     launch["splits"] = max(1, splits)
     return Selection(key.name, launch, tuned, source)
@@ -233,7 +235,8 @@ def _select_cached(problem: Problem) -> Selection:
         for i, row in enumerate(table["rows"]):
             if _row_matches(row["match"], problem):
                 catch_all = row["match"] == {}
-                sel = _adapt(row, problem, bool(table["tuned"]) and not catch_all, f"{path}#{i}")
+                tuned = bool(table["tuned"]) and bool(row.get("tuned", True)) and not catch_all
+                sel = _adapt(row, problem, tuned, f"{path}#{i}")
                 key = (arch, problem.op, problem.dtype, problem.tp, catch_all)
                 if catch_all and key not in _logged:
                     _logged.add(key)

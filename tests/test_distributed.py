@@ -57,7 +57,7 @@ def _parity_body(rank: int, world: int, device: str, vocab: int, graphed: bool) 
                     **kwargs,
                 )
             for g, w in zip(got, batch.reference(), strict=True):
-                assert torch.equal(g.cpu(), w), (transport, dtype)
+                assert torch.equal(g, w), (transport, dtype)
                 _same_on_all_ranks(g, world)
 
     if graphed:

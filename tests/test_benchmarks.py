@@ -1,0 +1,306 @@
+"""CPU tests of the benchmark harness (benchmarks/): CLI parsing, bytes-on-the-wire arithmetic,
+batch layout, report generation from small synthetic CSVs written to a tmp dir, and a smoke run
+of the whole harness on CPU (Triton interpreter + gloo). No measured data is committed: every
+CSV here is synthetic and lives in ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import report
+from benchmarks.__main__ import (
+    DEFAULT_OUT,
+    ROWS_FULL,
+    ROWS_QUICK,
+    copy_to_env_out,
+    parse_args,
+    plans,
+)
+from benchmarks.local import hbm_floor_us, shard_width, vllm_unfused_local
+from benchmarks.step import make_verify_batch, request_counts, wire_bytes_per_rank
+
+# ------------------------------------------------------------------------------- CLI
+
+
+def test_cli_defaults() -> None:
+    a = parse_args([])
+    assert a.part == "all" and not a.quick and not a.smoke
+    assert a.out == DEFAULT_OUT == Path("benchmarks/results/sm90")
+    assert a.budget_s == 480.0
+
+
+def test_cli_options() -> None:
+    a = parse_args(["--part", "step", "--quick", "--out", "/tmp/x", "--budget-s", "100"])
+    assert (a.part, a.quick, a.out, a.budget_s) == ("step", True, Path("/tmp/x"), 100.0)
+    assert parse_args(["--part", "local"]).part == "local"
+
+
+@pytest.mark.parametrize(
+    "argv", [["--part", "bogus"], ["--budget-s", "0"], ["--local-share", "1.5"]]
+)
+def test_cli_rejects(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+
+
+def test_plans_quick_and_full() -> None:
+    local, step = plans(parse_args([]))
+    assert local.rows == ROWS_FULL == (1, 4, 16, 32, 96, 256, 512, 1024)
+    assert local.vocabs == (151936, 200064, 262144)
+    assert local.tps == (1, 2, 4, 8) and local.dtypes == ("bf16", "fp32")
+    assert step.rows == ROWS_FULL and step.vocab == 200064
+    qlocal, qstep = plans(parse_args(["--quick"]))
+    assert qlocal.rows == qstep.rows == ROWS_QUICK == (4, 32, 96, 512)
+    assert qlocal.vocabs == (200064,)
+
+
+# ------------------------------------------------------------------------------- arithmetic
+
+
+def test_wire_bytes() -> None:
+    # sharded: 8 bytes per key, splits keys per row, per rank (all_gather or all_reduce alike)
+    assert wire_bytes_per_rank("sharded_allgather", 96, splits=2) == 8 * 2 * 96
+    assert wire_bytes_per_rank("sharded_allreduce", 96, splits=1) == 768
+    # plain: the padded shard in the logits dtype
+    w = shard_width(200064, 2)
+    assert w == 100032
+    assert wire_bytes_per_rank("plain", 96, width=w, elem_size=2) == 96 * 100032 * 2
+    assert wire_bytes_per_rank("plain", 96, width=w, elem_size=4) == 38_412_288
+    assert wire_bytes_per_rank("vllm_unfused", 32) == 256
+    assert wire_bytes_per_rank("floor_allreduce_int64", 4) == 32
+    with pytest.raises(ValueError):
+        wire_bytes_per_rank("plain", 4)
+    with pytest.raises(ValueError):
+        wire_bytes_per_rank("nope", 4)
+
+
+def test_shard_width_and_floor() -> None:
+    assert shard_width(151936, 8) == 18992
+    assert shard_width(262144, 4) == 65536
+    assert shard_width(32001, 2) == 16032  # padded to 32064
+    with pytest.raises(ValueError):
+        shard_width(64, 3)
+    # 4.3 TB/s: 4.3e12 B/s = 4.3e6 B/us
+    assert hbm_floor_us(4_300_000, 4300.0) == pytest.approx(1.0)
+    assert math.isnan(hbm_floor_us(100, float("nan")))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 96, 97])
+def test_request_counts(rows: int) -> None:
+    counts = request_counts(rows, 3)
+    assert sum(counts) == rows
+    assert all(1 <= c <= 4 for c in counts)
+
+
+def test_verify_batch_matches_reference_shapes() -> None:
+    from shardmax import reference
+
+    full = torch.randn(10, 50, generator=torch.Generator().manual_seed(0))
+    target = torch.argmax(full, dim=-1)
+    b = make_verify_batch(target, 3, 50, seed=1)
+    sampled, ns, nr = reference.greedy_verify(full, *b.args(), **b.kwargs())
+    assert sampled.shape == (3, 4) and ns.shape == nr.shape == (3,)
+    assert int(b.cu_num_logits[-1]) == 10
+    assert int(ns.sum() + nr.sum()) == 10  # every row is either sampled or rejected
+
+
+def test_vllm_unfused_local_matches_argmax() -> None:
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(2))
+    x[:, 120:] = 100.0  # padding that would win if it were not masked
+    want = torch.argmax(x[:, :120], dim=-1) + 1000
+    assert torch.equal(vllm_unfused_local(x.clone(), 8, 1000, 1, upcast=False), want)
+    pair = vllm_unfused_local(x.clone(), 8, 1000, 2, upcast=True)
+    assert pair.shape == (4, 2) and pair.dtype == torch.float32
+    assert torch.equal(pair[:, 1].long(), want)
+
+
+# ------------------------------------------------------------------------------- report
+
+
+def _local_rows(frac: float, empty_ratio: float) -> list[dict[str, object]]:
+    rows = []
+    empty, bw = 2.0, 4300.0
+    for dtype, es in (("bf16", 2), ("fp32", 4)):
+        for tp in (1, 2):
+            for n in (32, 512):
+                width = 200064 // tp
+                nbytes = n * width * es
+                floor = hbm_floor_us(nbytes, bw)
+                keys = max(floor / frac, empty * empty_ratio) if n <= 32 else floor / frac
+                common = {"dtype": dtype, "vocab": 200064, "tp": tp, "width": width, "rows": n,
+                          "shard_bytes": nbytes, "floor_us": floor, "copy_bw_GBps": bw,
+                          "empty_us": empty, "correct": True}  # fmt: skip
+                for method, cache, t in (
+                    ("shardmax_keys", "cold", keys),
+                    ("shardmax_keys", "warm", keys * 0.9),
+                    ("shardmax_local", "cold", keys + 2.0),
+                    ("vllm_unfused", "cold", 5 * keys),
+                    ("vllm_unfused_float", "cold", 8 * keys),
+                ):
+                    rows.append({**common, "method": method, "cache": cache, "p20_us": t * 0.98,
+                                 "p50_us": t, "p80_us": t * 1.02,
+                                 "variant": "shard_keys_bf16_va16_b4096", "splits": 2})  # fmt: skip
+                if tp == 1:
+                    rows.append({**common, "method": "torch_argmax_full", "cache": "cold",
+                                 "p50_us": 3 * keys})  # fmt: skip
+    return rows
+
+
+def _step_rows(verify_speedup: dict[str, float]) -> list[dict[str, object]]:
+    rows = []
+    for dtype, es in (("bf16", 2), ("fp32", 4)):
+        for n in (4, 96):
+            base = {"dtype": dtype, "vocab": 200064, "tp": 2, "width": 100032, "rows": n,
+                    "correct": True}  # fmt: skip
+            sharded = 12.0
+            plain = sharded * (verify_speedup[dtype] if n == 96 else 0.8)
+            for op in ("argmax", "verify"):
+                rows.append(
+                    {
+                        **base,
+                        "op": op,
+                        "path": "sharded_allgather",
+                        "dispatched": True,
+                        "transport": "allgather",
+                        "p50_us": sharded,
+                        "wire_bytes_per_rank": wire_bytes_per_rank("sharded_allgather", n),
+                    }
+                )
+                rows.append(
+                    {
+                        **base,
+                        "op": op,
+                        "path": "sharded_allreduce",
+                        "dispatched": False,
+                        "transport": "allreduce",
+                        "p50_us": sharded + 1,
+                    }
+                )
+                rows.append({**base, "op": op, "path": "plain", "dispatched": False,
+                             "p50_us": plain, "wire_bytes_per_rank": wire_bytes_per_rank(
+                                 "plain", n, width=100032, elem_size=es)})  # fmt: skip
+            rows.append({**base, "op": "argmax", "path": "vllm_unfused", "p50_us": 40.0})
+            rows.append({**base, "op": "collective", "path": "floor_allreduce_int64",
+                         "p50_us": 9.0})  # fmt: skip
+    # a failed measurement is reported, never silently dropped
+    rows.append({"dtype": "bf16", "vocab": 200064, "tp": 2, "rows": 512, "op": "verify",
+                 "path": "plain", "error": "RuntimeError: boom"})  # fmt: skip
+    return rows
+
+
+def _write(path: Path, fields: list[str], rows: list[dict[str, object]]) -> None:
+    w = report.CsvAppender(path, fields)
+    for r in rows:
+        w.write(r)
+
+
+def test_csv_appender_rejects_unknown_columns(tmp_path: Path) -> None:
+    w = report.CsvAppender(tmp_path / "x.csv", ["a", "b"])
+    w.write({"a": 1.23456, "b": True})
+    with pytest.raises(KeyError):
+        w.write({"c": 1})
+    assert report.read_csv(tmp_path / "x.csv") == [{"a": 1.235, "b": 1}]
+
+
+def test_report_from_synthetic_csv(tmp_path: Path) -> None:
+    _write(tmp_path / "local.csv", report.LOCAL_FIELDS, _local_rows(frac=0.9, empty_ratio=1.2))
+    _write(tmp_path / "step_tp2.csv", report.STEP_FIELDS, _step_rows({"fp32": 10.0, "bf16": 4.0}))
+    written = report.generate(tmp_path)
+    for name in ("local.png", "step_tp2.png", "SUMMARY.md"):
+        assert written[name].exists() and written[name].stat().st_size > 0
+
+    local = report.local_view(report.read_csv(tmp_path / "local.csv"))
+    step = report.step_view(report.read_csv(tmp_path / "step_tp2.csv"))
+    t = {x["target"].split(",")[0][:40]: x for x in report.evaluate_targets(local, step)}
+    verdicts = [x["verdict"] for x in report.evaluate_targets(local, step)]
+    # 1: floor fraction 0.9 >= 0.85 at TP1 512 rows, both dtypes
+    assert verdicts[0] == "PASS"
+    # 2: 32 rows: keys = max(floor/0.9, 2.4 us) vs empty 2 us -> ratio > 1.5 where the floor
+    # itself is large (TP1 fp32: 25.6 MB / 4.3 TB/s ~ 6 us): partial, and the floor is named
+    assert verdicts[1] == "PARTIAL"
+    assert "HBM floor alone" in report.evaluate_targets(local, step)[1]["short"]
+    # 3: verify fp32 10x >= 8x PASS, bf16 4x < 5x FAIL
+    assert verdicts[2] == "PASS" and verdicts[3] == "FAIL"
+    # 4: vLLM 40 us / sharded 12 us = 3.33x >= 3x at every row count
+    assert verdicts[4] == "PASS"
+    # 5: plain 0.8x of sharded at 4 rows -> slower than plain there
+    assert verdicts[5] == "PARTIAL"
+    assert "rows=4" in report.evaluate_targets(local, step)[5]["short"]
+    assert t  # keys built
+
+    md = (tmp_path / "SUMMARY.md").read_text()
+    assert "## Targets" in md and "Where it falls short" in md
+    assert "RuntimeError: boom" in md  # failures are listed
+    rec96 = next(r for r in step if r["dtype"] == "fp32" and r["rows"] == 96)
+    assert rec96["verify_speedup"] == pytest.approx(10.0)
+    assert rec96["speedup_vs_vllm"] == pytest.approx(40 / 12)
+    assert rec96["verify_wire"] == 8 * 96
+    lrec = next(r for r in local if r["dtype"] == "bf16" and r["tp"] == 1 and r["rows"] == 512)
+    assert lrec["floor_fraction"] == pytest.approx(0.9, rel=1e-3)
+    # torch_argmax_full is stored once (tp=1) and used for every TP
+    lrec2 = next(r for r in local if r["dtype"] == "bf16" and r["tp"] == 2 and r["rows"] == 512)
+    assert not math.isnan(lrec2["speedup_vs_argmax"])
+
+
+def test_report_plain_dispatch_counts_as_plain(tmp_path: Path) -> None:
+    rows = _step_rows({"fp32": 10.0, "bf16": 10.0})
+    for r in rows:  # the dispatcher picks plain at 4 rows
+        if r.get("rows") == 4 and r.get("path") == "sharded_allgather":
+            r["dispatched"] = False
+        if r.get("rows") == 4 and r.get("path") == "plain":
+            r["dispatched"] = True
+    _write(tmp_path / "step_tp2.csv", report.STEP_FIELDS, rows)
+    step = report.step_view(report.read_csv(tmp_path / "step_tp2.csv"))
+    rec = next(r for r in step if r["rows"] == 4 and r["dtype"] == "fp32")
+    assert rec["verify_speedup"] == pytest.approx(1.0)
+
+
+def test_report_cli_and_missing_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert report.main(["--in", str(tmp_path)]) == 0  # no CSVs at all: still a summary
+    assert "NOT MEASURED" in (tmp_path / "SUMMARY.md").read_text()
+    assert "== targets ==" in capsys.readouterr().out
+
+
+def test_copy_to_env_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, dest = tmp_path / "res", tmp_path / "out"
+    src.mkdir()
+    (src / "local.csv").write_text("a\n")
+    (src / "SUMMARY.md").write_text("x\n")
+    monkeypatch.delenv("OUT", raising=False)
+    assert copy_to_env_out(src) is None
+    monkeypatch.setenv("OUT", str(dest))
+    assert copy_to_env_out(src) == dest
+    assert sorted(p.name for p in dest.iterdir()) == ["SUMMARY.md", "local.csv"]
+
+
+# ------------------------------------------------------------------------------- smoke
+
+
+@pytest.mark.slow
+def test_smoke_run_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole harness (local part, 2-process gloo step, report) on tiny CPU shapes."""
+    from benchmarks.__main__ import main
+
+    monkeypatch.delenv("OUT", raising=False)
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    local = report.read_csv(tmp_path / "local.csv")
+    step = report.read_csv(tmp_path / "step_tp2.csv")
+    assert {r["method"] for r in local} >= {
+        "empty_launch", "torch_argmax_full", "shardmax_keys", "shardmax_local", "vllm_unfused",
+    }  # fmt: skip
+    assert not [r for r in local + step if r.get("error")]
+    assert all(r["correct"] == 1 for r in local if str(r["method"]).startswith("shardmax"))
+    paths = {(r["op"], r["path"]) for r in step}
+    assert paths == {
+        ("argmax", "sharded_allgather"), ("argmax", "sharded_allreduce"),
+        ("verify", "sharded_allgather"), ("verify", "sharded_allreduce"),
+        ("argmax", "plain"), ("verify", "plain"), ("argmax", "vllm_unfused"),
+        ("collective", "floor_allreduce_int64"),
+    }  # fmt: skip
+    assert all(r["correct"] == 1 for r in step)
+    assert (tmp_path / "SUMMARY.md").exists()

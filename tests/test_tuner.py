@@ -1,0 +1,272 @@
+"""Tuner: committed tables, exactness of every tabled variant, a tiny CPU sweep end to end.
+
+CPU only (Triton interpreter); keep the whole file well under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from shardmax.tuner import export, space
+from shardmax.tuner.__main__ import main as tuner_main
+from shardmax.tuner.objective import Runner
+from shardmax.tuner.problems import Bucket, buckets, shard_width
+from shardmax.tuner.space import Config, candidates
+from shardmax.tuner.timing import Timing
+
+import shardmax.dispatch as dispatch
+from shardmax import kernels
+from shardmax.dispatch import Problem, validate_table
+from shardmax.variants import parse_name
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU tests run the kernels under TRITON_INTERPRET=1",
+)
+
+REPO = Path(__file__).resolve().parents[1]
+ARCHS = ("sm90", "gfx950")
+OPS = ("argmax", "verify")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch():
+    dispatch.select.cache_clear()
+    dispatch.load_table.cache_clear()
+    yield
+    dispatch.select.cache_clear()
+    dispatch.load_table.cache_clear()
+
+
+def _table(arch: str, op: str) -> dict:
+    return json.loads((REPO / "generated" / arch / f"{op}.json").read_text())
+
+
+# ------------------------------------------------------------------------------ tables
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("op", OPS)
+def test_committed_table_schema(arch, op):
+    t = _table(arch, op)
+    validate_table(t, f"{arch}/{op}")
+    assert (t["schema"], t["arch"], t["op"]) == (1, arch, op)
+    assert isinstance(t["tuned"], bool)
+    assert t["rows"][-1]["match"] == {}
+    assert sum(1 for r in t["rows"] if r["match"] == {}) == 1
+    assert "manifest_hash" in t["provenance"]
+    if not t["tuned"]:
+        assert t["provenance"].get("untuned") is True
+    # first match is the right one: rows_le ascending within each (other keys) group
+    groups: dict[str, list[int]] = {}
+    for r in t["rows"][:-1]:
+        m = dict(r["match"])
+        rows_le = m.pop("rows_le", None)
+        if rows_le is not None:
+            groups.setdefault(json.dumps(m, sort_keys=True), []).append(rows_le)
+    for seq in groups.values():
+        assert seq == sorted(seq)
+
+
+def _tabled_selections():
+    """Distinct (op, variant, splits<=4, transport) over the four tables."""
+    seen = {}
+    for arch in ARCHS:
+        for op in OPS:
+            for row in _table(arch, op)["rows"]:
+                if row["variant"] == dispatch.PLAIN:
+                    continue
+                launch = row["launch"]
+                key = (op, row["variant"], min(int(launch["splits"]), 4), launch["transport"])
+                seen.setdefault(key, row)
+    return sorted(seen)
+
+
+@pytest.mark.parametrize("op,variant,splits,transport", _tabled_selections())
+def test_tabled_variant_exists_and_is_exact(op, variant, splits, transport):
+    kernels.load(variant)  # exists in generated/
+    key = parse_name(variant)
+    block = int(key.block or 1024)
+    vocab = 2 * splits * block - 64  # tp 2: every split of a rank's shard gets columns
+    width = shard_width(vocab, 2)
+    bucket = Bucket(op, str(key.dtype), 2, int(key.align or 1), width, 4, vocab)
+    cfg = Config(block, 4, 2, splits, transport)
+    assert Runner(bucket, torch.device("cpu")).gate(cfg, seed=11) is None
+
+
+# ------------------------------------------------------------------------------ space
+def test_problem_space():
+    assert shard_width(151936, 8) == 18992
+    assert shard_width(50257, 8) == 6288
+    q = buckets("argmax", quick=True)
+    assert len(q) == 2 * 3 * 4
+    assert {b.vocab for b in q} == {200064, 151936}
+    assert len(buckets("verify")) == 7 * 4 * 11
+    b = next(b for b in q if b.tp == 8 and b.vocab == 200064 and b.rows_le == 32)
+    assert b.match == {"dtype": "bf16", "tp": 8, "align": 16, "rows_le": 32, "width_le": 25008}
+
+
+def test_space_static_pruning(monkeypatch):
+    narrow = Bucket("argmax", "bf16", 8, 16, 1504, 4, 12000)
+    cs = candidates(narrow, "gfx950")
+    assert {c.block for c in cs if not c.is_plain} == {1024, 2048}
+    assert all(c.num_warps * 64 <= 1024 and c.num_warps * 64 * 4 <= c.block for c in cs)
+    assert all(c.splits <= 32 and (c.splits == 1 or c.splits * c.block <= 2 * 1504) for c in cs)
+    assert not any(c.is_plain for c in cs)  # tp 8 on one GPU: plain cannot be timed
+    assert {c.transport for c in cs} == {"allgather"}
+    dist = candidates(narrow, "sm90", distributed=True)
+    assert any(c.is_plain for c in dist) and {c.transport for c in dist if not c.is_plain} == {
+        "allgather",
+        "allreduce",
+    }
+    wide = Bucket("argmax", "bf16", 1, 16, 200064, 32, 200064)
+    spill = {
+        "variants": {
+            f"shard_keys_bf16_va16_b{b}": {"spill_bytes": 64 if b == 8192 else 0}
+            for b in (1024, 2048, 4096, 8192)
+        }
+    }
+    monkeypatch.setattr(space, "arch_resources", lambda arch: spill["variants"])
+    assert 8192 not in {c.block for c in candidates(wide, "sm90")}
+    assert Config.parse("b4096_w8_s2_x4_allreduce") == Config(4096, 8, 2, 4, "allreduce")
+    assert Config.parse("plain").is_plain
+
+
+def _m(name: str, p50: float, spread: float = 0.0) -> export.Measured:
+    t = Timing(p50 - spread, p50, p50 + spread, (p50 - spread, p50, p50 + spread))
+    return export.Measured(Config.parse(name), [t])
+
+
+def test_decide_hysteresis_and_tie_break():
+    inc = "b4096_w8_s2_x4_allgather"
+    # challenger 2% faster: within 3%, the incumbent stays
+    win = export.decide([_m(inc, 10.0), _m("b2048_w4_s2_x8_allgather", 9.8)], Config.parse(inc))
+    assert win.cfg.name == inc
+    # challenger 20% faster: it wins
+    win = export.decide([_m(inc, 10.0), _m("b2048_w4_s2_x8_allgather", 8.0)], Config.parse(inc))
+    assert win.cfg.name == "b2048_w4_s2_x8_allgather"
+    # noisy challenger (IQR 1.5us): a 10% gain is not clear
+    win = export.decide(
+        [_m(inc, 10.0), _m("b2048_w4_s2_x8_allgather", 9.0, 1.5)], Config.parse(inc)
+    )
+    assert win.cfg.name == inc
+    # no incumbent, two within noise: fewer warps, then smaller block
+    win = export.decide(
+        [
+            _m("b4096_w8_s2_x4_allgather", 5.0),
+            _m("b4096_w4_s2_x4_allgather", 5.05),
+            _m("b2048_w4_s2_x4_allgather", 5.1),
+        ],
+        None,
+    )
+    assert win.cfg.name == "b2048_w4_s2_x4_allgather"
+
+
+def test_export_tuned_table_resolves(tmp_path, monkeypatch):
+    match = {"dtype": "bf16", "tp": 4, "align": 16, "rows_le": 32, "width_le": 50016}
+    rows = [
+        {
+            "match": {**match, "rows_le": r},
+            "variant": "shard_keys_bf16_va16_b2048",
+            "launch": {"splits": 4, "num_warps": 4, "num_stages": 3, "transport": "allgather"},
+            "p20_us": 1.0,
+            "p50_us": 1.1,
+            "p80_us": 1.2,
+        }
+        for r in (32, 1)
+    ]
+    prov = {"device_name": "test", "manifest_hash": "x"}
+    path = export.write_table(tmp_path, "sm90", "argmax", rows, prov, tuned=True)
+    t = json.loads(path.read_text())
+    validate_table(t)
+    assert [r["match"].get("rows_le") for r in t["rows"][:2]] == [1, 32]
+    # merge: re-tuning one bucket keeps the other
+    new = [{**rows[0], "variant": "shard_keys_bf16_va16_b1024"}]
+    export.write_table(tmp_path, "sm90", "argmax", new, prov, tuned=True)
+    t = json.loads(path.read_text())
+    assert [r["variant"] for r in t["rows"] if r["match"].get("tp") == 4] == [
+        "shard_keys_bf16_va16_b2048",
+        "shard_keys_bf16_va16_b1024",
+    ]
+    monkeypatch.setenv("SHARDMAX_TABLES_DIR", str(tmp_path))
+    sel = dispatch.select(Problem("argmax", "bf16", 4, 20, 50016, 16, arch="sm90"))
+    assert sel.variant == "shard_keys_bf16_va16_b1024" and sel.is_tuned
+    assert sel.source.startswith(str(path))
+    # a geometry that was not tuned lands on a kept portable row, marked "tuned": false
+    other = dispatch.select(Problem("argmax", "bf16", 3, 20, 50016, 16, arch="sm90"))
+    kept = t["rows"][int(other.source.rsplit("#", 1)[1])]
+    assert kept["tuned"] is False and "dtype" not in kept["match"]
+    assert not other.is_tuned
+
+
+# ------------------------------------------------------------------------------ sweep
+def test_cpu_sweep_end_to_end(tmp_path, monkeypatch, capsys):
+    optuna = pytest.importorskip("optuna")
+    real = kernels.shard_keys
+
+    def broken(*args, **kwargs):  # a wrong kernel: every launch with 2 splits flips ids
+        keys = real(*args, **kwargs)
+        return keys ^ 1 if kwargs.get("splits") == 2 else keys
+
+    monkeypatch.setattr(kernels, "shard_keys", broken)
+    studies, out = tmp_path / "studies", tmp_path / "out"
+    argv = [
+        "--op",
+        "argmax",
+        "--tp",
+        "1",
+        "--rows",
+        "4",
+        "--studies-dir",
+        str(studies),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--n-trials",
+        "3",
+    ]
+    assert tuner_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "MEANINGLESS" in text and "NOT written" in text
+    assert not out.exists() or not any(out.rglob("*.json"))
+
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(studies / "sm90" / "argmax.journal"))
+    )
+    (name,) = optuna.get_all_study_names(storage)
+    assert "m=" in name and "argmax-bf16-tp1-va16-r4-w3008" in name
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    pruned = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert pruned, "the broken 2-split default must be pruned"
+    assert all("mismatch" in t.user_attrs["reject"] for t in pruned)
+    assert all("_x2_" in t.params["config"] for t in pruned)
+    assert pruned[0].user_attrs["variant"].startswith("shard_keys_bf16_va16_b")
+
+    # resume the same study, now writing the table
+    assert tuner_main([*argv[:-2], "--n-trials", "1", "--write-table", "--no-plot"]) == 0
+    path = out / "sm90" / "argmax.json"
+    table = json.loads(path.read_text())
+    validate_table(table)
+    assert table["tuned"] is False  # CPU timings are never a tuned claim
+    row = table["rows"][0]
+    assert row["match"]["width_le"] == 3008 and row["launch"].get("splits") != 2
+    monkeypatch.setenv("SHARDMAX_TABLES_DIR", str(out))
+    sel = dispatch.select(Problem("argmax", "bf16", 1, 3, 3008, 16, arch="sm90"))
+    assert sel.source == f"{path}#0" and sel.is_tuned is False
+    assert sel.variant == row["variant"]
+
+
+def test_help_and_timing_import_without_optuna():
+    code = (
+        "import sys, runpy; sys.modules['optuna'] = None; import tuner.timing; "
+        "sys.argv = ['tuner', '--help']; runpy.run_module('tuner', run_name='__main__')"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert "--distributed" in r.stdout

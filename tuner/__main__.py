@@ -1,0 +1,271 @@
+"""CLI: ``python -m tuner`` (from the repo) / ``shardmax-tune`` (installed). See README.md.
+
+Imports only the standard library at module level so ``--help`` works on an image without
+optuna; the sweep itself needs optuna (and torch/triton), imported after argument parsing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+CPU_BANNER = """\
+======================================================================================
+ CPU MODE (no GPU): Triton kernels run in the interpreter (TRITON_INTERPRET=1).
+ Timings are MEANINGLESS. This runs a tiny sweep end to end to exercise the pipeline
+ (gate -> timing -> export). No table is written unless --write-table is passed, and a
+ table written here is marked "tuned": false.
+======================================================================================"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shardmax-tune",
+        description="Tune shardmax's local-stage variants, launch parameters and transport per "
+        "GPU arch with Optuna; write generated/<arch>/<op>.json.",
+        epilog="Examples: `python -m tuner --quick` (one GPU, < 10 min); "
+        "`torchrun --nproc-per-node 2 -m tuner --distributed --quick` (transport and "
+        "plain path with a real TP=2 group).",
+    )
+    p.add_argument("--op", choices=("argmax", "verify", "all"), default="all")
+    p.add_argument(
+        "--arch",
+        help="arch id (sm90, gfx950); default: detected. Must match the "
+        "GPU; on CPU it picks the static limits (default sm90)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small subset: V in {200064, 151936}, TP 1/4/8, rows 1/32/96/512, "
+        "warps 4/8/16, stages 2",
+    )
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="run under torchrun: time real collectives (allgather vs allreduce) "
+        "and the plain path at tp = world size; rank 0 owns the study",
+    )
+    p.add_argument("--dtype", nargs="+", default=["bf16"], choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--tp", nargs="+", type=int, help="TP sizes (default: 1 2 4 8)")
+    p.add_argument("--vocab", nargs="+", type=int, help="vocabularies (default: problems.MODELS)")
+    p.add_argument("--rows", nargs="+", type=int, help="row buckets (default: problems.ROWS)")
+    p.add_argument(
+        "--storage",
+        help="Optuna storage URL (postgresql://..., mysql://..., "
+        "journal://PATH) or a journal file path",
+    )
+    p.add_argument(
+        "--studies-dir",
+        type=Path,
+        help="journal directory (default tuner/studies; one file per arch/op)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="tables root (default: the package's generated/); "
+        "point SHARDMAX_TABLES_DIR here to use it",
+    )
+    w = p.add_mutually_exclusive_group()
+    w.add_argument(
+        "--write-table",
+        dest="write",
+        action="store_true",
+        default=None,
+        help="write the table (default on GPU; required on CPU)",
+    )
+    w.add_argument("--no-write-table", dest="write", action="store_false")
+    p.add_argument(
+        "--n-trials", type=int, help="max new trials per bucket (default: the whole grid; 3 on CPU)"
+    )
+    p.add_argument("--timeout", type=float, help="seconds per bucket")
+    p.add_argument("--seed", type=int, default=0, help="sampler and gate seed")
+    p.add_argument("--l2-cold", action="store_true", help="rotate input copies (>= 3x L2/MALL)")
+    p.add_argument("--rounds", type=int, help="interleaved re-measure rounds (5; 2 on CPU)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--init-defaults",
+        action="store_true",
+        help='only write the portable untuned tables ("tuned": false) for --arch',
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ["TRITON_INTERPRET"] = "1"  # before any generated kernel module is imported
+    from shardmax.dispatch import detect_arch
+
+    from . import export
+
+    out_dir: Path = args.out or export.packaged_generated_dir()
+    ops = ("argmax", "verify") if args.op == "all" else (args.op,)
+    detected = detect_arch() if on_gpu else None
+    arch = args.arch or detected or "sm90"
+    if args.init_defaults:
+        for op in ops:
+            print(f"wrote {export.write_portable(out_dir, arch, op)}")
+        return 0
+    if detected is not None and args.arch and args.arch != detected:
+        print(f"error: --arch {args.arch} but this GPU is {detected}", file=sys.stderr)
+        return 2
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        print(
+            "error: the tuner needs optuna (pip install optuna; the GPU image carries wheels "
+            "in .whl/: pip install --no-index --find-links .whl optuna)",
+            file=sys.stderr,
+        )
+        return 2
+    if not on_gpu:
+        print(CPU_BANNER, flush=True)
+    write = args.write if args.write is not None else on_gpu
+    return _sweep(args, arch, ops, out_dir, on_gpu, write)
+
+
+def _sweep(
+    args: Any, arch: str, ops: tuple[str, ...], out_dir: Path, on_gpu: bool, write: bool
+) -> int:
+    import torch
+
+    from . import export, study
+    from .objective import Dist, Lockstep, Runner, worker_loop
+    from .problems import buckets
+    from .space import candidates, default_config, pruned_report
+    from .timing import metric_name
+
+    dist_ctx: Dist | None = None
+    if args.distributed:
+        import torch.distributed as tdist
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if on_gpu:
+            torch.cuda.set_device(local)
+        device = torch.device("cuda", local) if on_gpu else torch.device("cpu")
+        if on_gpu:
+            tdist.init_process_group("nccl", device_id=device)
+        else:
+            tdist.init_process_group("gloo")
+        dist_ctx = Dist(tdist.get_rank(), tdist.get_world_size(), device)
+        tps: list[int] | None = [dist_ctx.world]
+        mode = f"distributed tp={dist_ctx.world}"
+    else:
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        )
+        tps = args.tp
+        mode = (
+            "single-gpu local stage (transport fixed to allgather; finish timed on tp "
+            "copies of the keys; collective and plain path for tp > 1 not timed)"
+        )
+        if not on_gpu:
+            mode = "cpu interpreter (meaningless timings)"
+    root = dist_ctx is None or dist_ctx.is_root
+    n_trials = args.n_trials if args.n_trials is not None else (None if on_gpu else 3)
+    rounds = args.rounds or (5 if on_gpu else 2)
+    metric = metric_name(device, args.l2_cold)
+    storage_desc = args.storage or str((args.studies_dir or study.default_studies_dir()) / arch)
+    prov = export.provenance(
+        arch=arch,
+        device=device,
+        mode=mode,
+        metric=metric,
+        quick=args.quick or not on_gpu,
+        storage=storage_desc,
+    )
+    for op in ops:
+        bs = buckets(
+            op,
+            quick=args.quick,
+            tiny=not on_gpu,
+            dtypes=args.dtype,
+            tps=tps,
+            vocabs=args.vocab,
+            rows=args.rows,
+        )
+        storage = study.make_storage(arch, op, args.storage, args.studies_dir) if root else None
+        table_now = export.current_table(out_dir, arch, op) if root else None
+        new_rows: list[dict[str, Any]] = []
+        if root:
+            print(f"[{arch} {op}] {len(bs)} buckets, mode: {mode}; metric: {metric}")
+        for b in bs:
+            configs = candidates(
+                b, arch, quick=args.quick or not on_gpu, distributed=dist_ctx is not None
+            )
+            runner = Runner(b, device, dist=dist_ctx, cold=args.l2_cold)
+            if not root:
+                worker_loop(runner)
+                continue
+            notes = pruned_report(b, arch)
+            print(
+                f"  {b.slug} ({', '.join(b.models)}): {len(configs)} points"
+                + (f"; pruned: {'; '.join(notes)}" if notes else ""),
+                flush=True,
+            )
+            ls = Lockstep(runner)
+            try:
+                st = study.open_study(arch, b, configs, storage, args.seed, prov)
+                inc = export.incumbent_of(table_now, b)
+                dflt = default_config(b)
+                study.enqueue(st, configs, inc, dflt)
+                study.run_bucket(
+                    st,
+                    ls,
+                    configs,
+                    seed=args.seed,
+                    n_trials=n_trials,
+                    timeout=args.timeout,
+                    progress=not args.no_progress,
+                )
+                row = export.finalize_bucket(
+                    st,
+                    ls,
+                    b,
+                    incumbent=inc,
+                    default=dflt,
+                    configs=configs,
+                    seed=args.seed,
+                    rounds=rounds,
+                )
+            finally:
+                ls.stop()
+            if row is None:
+                continue
+            new_rows.append(row)
+            print(
+                f"    -> {row['variant']} {row['launch']} p50 {row['p50_us']}us"
+                + (f" (default {row['default_p50_us']}us)" if "default_p50_us" in row else "")
+                + (f" (plain {row['plain_p50_us']}us)" if "plain_p50_us" in row else ""),
+                flush=True,
+            )
+            if write:
+                export.write_table(out_dir, arch, op, new_rows, prov, tuned=on_gpu)
+        if root and write and new_rows:
+            path = export.table_path(out_dir, arch, op)
+            print(f"[{arch} {op}] wrote {path}")
+            if not args.no_plot:
+                from .plot import plot_table
+
+                png = plot_table(path)
+                if png is not None:
+                    print(f"[{arch} {op}] plot {png}")
+        elif root and not write:
+            print(f"[{arch} {op}] {len(new_rows)} rows NOT written (pass --write-table)")
+    if dist_ctx is not None:
+        import torch.distributed as tdist
+
+        tdist.barrier()
+        tdist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
