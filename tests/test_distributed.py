@@ -8,6 +8,8 @@ geometry raises on every rank instead of hanging.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,11 +27,46 @@ def _same_on_all_ranks(t: torch.Tensor, world: int) -> None:
         assert torch.equal(g, t), "ranks disagree"
 
 
-def _parity_body(rank: int, world: int, device: str, vocab: int, graphed: bool) -> None:
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _verify_batch(step: int, vocab: int, dtype: torch.dtype):
+    return random_verify_batch(10, 3, vocab, seed=step, dtype=dtype, synthetic=(step == 1))
+
+
+def _expected_verify(vocab: int, device: str) -> list[tuple[torch.Tensor, ...]]:
+    """Reference outputs per dtype step, computed once in the test process (CPU tensors).
+
+    On a GPU machine the reference runs on cuda:0 (its synthetic draws are Triton's tl.rand,
+    which needs a device or the interpreter)."""
+    out = []
+    for step, dtype in enumerate(DTYPES):
+        batch = _verify_batch(step, vocab, dtype)
+        if device == "cuda":
+            batch = dataclasses.replace(
+                batch,
+                **{
+                    f.name: getattr(batch, f.name).to("cuda:0")
+                    for f in dataclasses.fields(batch)
+                    if isinstance(getattr(batch, f.name), torch.Tensor)
+                },
+            )
+        out.append(tuple(t.cpu() for t in batch.reference()))
+    return out
+
+
+def _parity_body(
+    rank: int,
+    world: int,
+    device: str,
+    vocab: int,
+    graphed: bool,
+    expected: list[tuple[torch.Tensor, ...]],
+) -> None:
     dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
     group = dist.group.WORLD
     for transport in ("allgather", "allreduce"):
-        for step, dtype in enumerate((torch.bfloat16, torch.float32)):
+        for step, dtype in enumerate(DTYPES):
             full = adversarial_logits(20, vocab, dtype=dtype, seed=step, tp_size=world, block=1024)
             shard = shard_like_vllm(full, world)[rank]
             local = shard.local_logits.to(dev)
@@ -40,7 +77,7 @@ def _parity_body(rank: int, world: int, device: str, vocab: int, graphed: bool) 
             assert torch.equal(ids.cpu(), reference.argmax(full)), (transport, dtype)
             _same_on_all_ranks(ids, world)
 
-            batch = random_verify_batch(10, 3, vocab, seed=step, dtype=dtype, synthetic=(step == 1))
+            batch = _verify_batch(step, vocab, dtype)
             vshard = shard_like_vllm(batch.logits, world)[rank]
             args = [a.to(dev) if isinstance(a, torch.Tensor) else a for a in batch.args()]
             kwargs = {
@@ -56,8 +93,8 @@ def _parity_body(rank: int, world: int, device: str, vocab: int, graphed: bool) 
                     group=group,
                     **kwargs,
                 )
-            for g, w in zip(got, batch.reference(), strict=True):
-                assert torch.equal(g, w), (transport, dtype)
+            for g, w in zip(got, expected[step], strict=True):
+                assert torch.equal(g.cpu(), w.cpu()), (transport, dtype)
                 _same_on_all_ranks(g, world)
 
     if graphed:
@@ -77,7 +114,8 @@ def _graph_replay(rank: int, world: int, dev: torch.device, vocab: int) -> None:
             )  # warm-up
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: NCCL's watchdog thread queries events while this thread captures
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = shardmax.vocab_parallel_argmax(
                     static, vocab_start=shard.vocab_start, num_valid=shard.num_valid, group=group
                 )
@@ -109,7 +147,7 @@ def _mismatch_body(rank: int, world: int, device: str) -> None:
 
 
 def test_gloo_two_ranks_parity() -> None:
-    run_ranks(_parity_body, 2, "gloo", "cpu", 5003, False)
+    run_ranks(_parity_body, 2, "gloo", "cpu", 5003, False, _expected_verify(5003, "cpu"))
 
 
 def test_gloo_geometry_mismatch_raises_on_every_rank() -> None:
@@ -119,7 +157,7 @@ def test_gloo_geometry_mismatch_raises_on_every_rank() -> None:
 @pytest.mark.multigpu
 @pytest.mark.parametrize("vocab", [32001, 200064])
 def test_nccl_two_gpus_parity_eager_and_graphed(vocab: int) -> None:
-    run_ranks(_parity_body, 2, "nccl", "cuda", vocab, True)
+    run_ranks(_parity_body, 2, "nccl", "cuda", vocab, True, _expected_verify(vocab, "cuda"))
 
 
 @pytest.mark.multigpu
