@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 import triton
 
-from shardmax.variants import VariantKey, parse_name
+from shardmax.variants import parse_name
 
 _INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -155,7 +155,3 @@ def verify_finish(
         num_warps=1,
     )
     return sampled, num_sampled, num_rejected
-
-
-def local_key_of(variant: str) -> VariantKey:
-    return parse_name(variant)
