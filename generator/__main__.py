@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: generated/)")
     args = ap.parse_args(argv)
+    if args.arch != "none" and os.environ.get("TRITON_INTERPRET") == "1":
+        # Ahead-of-time compilation needs real @jit functions; under the interpreter Triton
+        # hands out interpreted ones. Run again in a child without the variable.
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        cmd = [sys.executable, "-m", __package__ or "generator", *(argv or sys.argv[1:])]
+        return subprocess.call(cmd, env=env)
 
     out = args.out or generated_dir()
     files = render_all()
