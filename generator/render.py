@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from importlib import resources
 from pathlib import Path
 
 import jinja2
@@ -12,13 +11,18 @@ import jinja2
 from . import GENERATOR_VERSION
 from .space import TEMPLATE_OF_FAMILY, all_variants, template_context
 
+_ROOT = Path(__file__).resolve().parent.parent
+"""The checkout (``python -m generator``) or the installed ``shardmax`` package dir: both hold
+``templates/`` and ``generated/`` next to ``generator/``. Paths are found from this file, never
+through an installed distribution, so a second checkout renders and checks its own files."""
+
 
 def templates_dir() -> Path:
-    return Path(str(resources.files("shardmax.templates")))
+    return _ROOT / "templates"
 
 
 def generated_dir() -> Path:
-    return Path(str(resources.files("shardmax.generated")))
+    return _ROOT / "generated"
 
 
 def _sha256(text: str) -> str:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import triton
 
-from shardmax.variants import VariantKey, finish_variant, parse_name
+from shardmax.variants import TRANSPORTS, VariantKey, finish_variant, parse_name
 
 log = logging.getLogger("shardmax.dispatch")
 
@@ -139,31 +139,89 @@ def load_table(path: Path) -> dict[str, Any] | None:
     """A tuned table (cached, negative results too); None if the file does not exist."""
     if not path.exists():
         return None
-    table = json.loads(path.read_text())
+    try:
+        table = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from e
     validate_table(table, str(path))
     return table
 
 
-def validate_table(table: dict[str, Any], where: str = "table") -> None:
-    """Schema check: required keys, a catch-all row last, every variant name parses."""
+_MATCH_TYPES: dict[str, Any] = {
+    "dtype": ("bf16", "fp16", "fp32"),
+    "tp": int,
+    "align": (1, 16),
+    "rows_le": int,
+    "width_le": int,
+}
+
+
+def validate_launch(launch: dict[str, Any], where: str) -> None:
+    """Launch parameters must be usable: splits >= 1, num_warps a power of two in [1, 32],
+    num_stages >= 1, transport one of the transports. Raises ValueError naming the field."""
+    splits = launch.get("splits", 1)
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"{where}: splits must be an int >= 1, got {splits!r}")
+    warps = launch.get("num_warps", 4)
+    if isinstance(warps, bool) or warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"{where}: num_warps must be a power of two in [1, 32], got {warps!r}")
+    stages = launch.get("num_stages", 2)
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"{where}: num_stages must be an int >= 1, got {stages!r}")
+    if launch.get("transport", "allgather") not in TRANSPORTS:
+        raise ValueError(
+            f"{where}: transport must be one of {TRANSPORTS}, got {launch.get('transport')!r}"
+        )
+
+
+def validate_table(table: Any, where: str = "table") -> None:
+    """Schema check of a tuned table; raises ValueError naming the file, row and field.
+
+    Required keys with their types, ``op``/``arch`` values, every row's ``match`` (known keys,
+    typed values), variant (``plain`` or a generated ``shard_keys_*`` module), launch
+    parameters (:func:`validate_launch`) and a catch-all row (``"match": {}``) last.
+    """
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: a table is a JSON object, got {type(table).__name__}")
     for k in ("schema", "arch", "op", "tuned", "provenance", "rows"):
         if k not in table:
             raise ValueError(f"{where}: missing key {k!r}")
+    if table["schema"] != 1:
+        raise ValueError(f"{where}: schema {table['schema']!r} not supported (expected 1)")
+    if table["op"] not in OPS:
+        raise ValueError(f"{where}: op {table['op']!r}, expected one of {OPS}")
+    if not isinstance(table["arch"], str) or not table["arch"]:
+        raise ValueError(f"{where}: arch must be an arch id such as 'sm90' or 'gfx950'")
     rows = table["rows"]
-    if not rows or rows[-1].get("match") != {}:
-        raise ValueError(f'{where}: the last row must be the catch-all ("match": {{}})')
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{where}: rows must be a non-empty list")
+    from shardmax.kernels import load
+
     for i, row in enumerate(rows):
+        at = f"{where}: row {i}"
+        if not isinstance(row, dict) or not isinstance(row.get("match"), dict):
+            raise ValueError(f'{at}: every row needs a "match" object')
+        for k, v in row["match"].items():
+            allowed = _MATCH_TYPES.get(k)
+            if allowed is None:
+                raise ValueError(f"{at}: unknown match key {k!r} (known: {sorted(_MATCH_TYPES)})")
+            ok = isinstance(v, allowed) if isinstance(allowed, type) else v in allowed
+            if not ok or isinstance(v, bool):
+                raise ValueError(f"{at}: match {k}={v!r} has the wrong type or value")
         variant = row.get("variant")
         if variant != PLAIN:
             key = parse_name(str(variant))
             if key.family != "shard_keys":
-                raise ValueError(f"{where}: row {i} variant {variant!r} is not a shard_keys_*")
-        launch = row.get("launch", {})
-        if variant != PLAIN and not {"splits", "num_warps", "transport"} <= set(launch):
-            raise ValueError(f"{where}: row {i} launch lacks splits/num_warps/transport")
-        unknown = set(row.get("match", {})) - {"dtype", "tp", "align", "rows_le", "width_le"}
-        if unknown:
-            raise ValueError(f"{where}: row {i} has unknown match keys {sorted(unknown)}")
+                raise ValueError(f"{at}: variant {variant!r} is not a shard_keys_* variant")
+            load(str(variant))  # ValueError if it is not a generated module
+            launch = row.get("launch")
+            if not isinstance(launch, dict) or not {"splits", "num_warps", "transport"} <= set(
+                launch
+            ):
+                raise ValueError(f"{at}: launch lacks splits/num_warps/transport")
+            validate_launch(launch, at)
+    if rows[-1]["match"] != {}:
+        raise ValueError(f'{where}: the last row must be the catch-all ("match": {{}})')
 
 
 def _row_matches(match: dict[str, Any], p: Problem) -> bool:
@@ -207,6 +265,12 @@ def override(**fields: Any) -> Iterator[None]:
     thread-safe; every rank must enter the same override.
     """
     global _override
+    unknown = set(fields) - {"variant", "transport", "splits", "num_warps", "num_stages"}
+    if unknown:
+        raise TypeError(f"override: unknown fields {sorted(unknown)}")
+    if "variant" in fields and fields["variant"] != PLAIN:
+        parse_name(str(fields["variant"]))
+    validate_launch({k: v for k, v in fields.items() if k != "variant"}, "override")
     old, _override = _override, dict(fields)
     try:
         yield

@@ -71,6 +71,8 @@ def check_geometry(
                 f"rank {r} vocab range starts at {table[r][2]}, inside rank {r - 1}'s range "
                 f"ending at {prev_end} (ranges must be in rank order, non-overlapping)"
             )
+    if sum(row[3] for row in table) == 0:
+        problems.append("no rank holds a real column (num_valid is 0 everywhere): empty vocabulary")
     if problems:
         raise ValueError(
             "shard geometry mismatch across TP ranks (W, dtype, vocab_start, num_valid per "

@@ -89,6 +89,7 @@ def argmax_pick(keys: torch.Tensor, num_rows: int, tp: int, variant: str) -> tor
     ids = torch.empty(num_rows, dtype=torch.int64, device=keys.device)
     if num_rows == 0:
         return ids
+    keys = keys.contiguous()
     splits = keys.shape[1]
     mod.kernel[(triton.cdiv(num_rows, PICK_ROWS),)](
         keys,
@@ -127,30 +128,41 @@ def verify_finish(
     num_rejected = torch.empty(num_reqs, dtype=torch.int32, device=dev)
     if num_reqs == 0:
         return sampled, num_sampled, num_rejected
-    synthetic = synthetic_conditional_rates is not None
+    # Kernels index with unit stride: views with other strides are copied (no-op otherwise).
+    rates = (
+        synthetic_conditional_rates.contiguous()
+        if synthetic_conditional_rates is not None
+        else torch.empty(1, device=dev)
+    )
     has_prefill = seq_lens is not None and prefill_len is not None
+    lens = seq_lens.contiguous() if seq_lens is not None and has_prefill else None
+    prefill = prefill_len.contiguous() if prefill_len is not None and has_prefill else None
+    num_slots = max(
+        1, min(seed.shape[0], prefill.shape[0]) if prefill is not None else seed.shape[0]
+    )
     dummy_i32 = torch.empty(1, dtype=torch.int32, device=dev)
     mod.kernel[(num_reqs,)](
-        keys,
-        draft_sampled,
-        cu_num_logits,
-        pos,
-        idx_mapping,
-        seed,
-        synthetic_conditional_rates if synthetic else torch.empty(1, device=dev),
-        seq_lens if has_prefill else dummy_i32,
-        prefill_len if has_prefill else dummy_i32,
+        keys.contiguous(),
+        draft_sampled.contiguous(),
+        cu_num_logits.contiguous(),
+        pos.contiguous(),
+        idx_mapping.contiguous(),
+        seed.contiguous(),
+        rates,
+        lens if lens is not None else dummy_i32,
+        prefill if prefill is not None else dummy_i32,
         sampled,
         num_sampled,
         num_rejected,
         draft_sampled.shape[0],
+        num_slots,
         keys.shape[1],
         tp,
         sampled.stride(0),
         K=k,
         KP1_P2=triton.next_power_of_2(k + 1),
         SPLITS_P2=triton.next_power_of_2(keys.shape[1]),
-        SYNTHETIC=synthetic,
+        SYNTHETIC=synthetic_conditional_rates is not None,
         HAS_PREFILL=has_prefill,
         num_warps=1,
     )

@@ -103,6 +103,11 @@ def vocab_parallel_argmax(
     rows = logits.shape[0]
     if coll.world_size > 1:
         check_geometry(coll, logits, vocab_start, num_valid)
+    elif num_valid == 0:
+        raise ValueError(
+            f"num_valid: 0 real columns in local_logits of shape {tuple(logits.shape)} on a "
+            "single rank: the vocabulary is empty, there is no argmax"
+        )
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     sel = _selection("argmax", logits, coll.world_size)
@@ -179,6 +184,11 @@ def validate_verify_inputs(
         prefill_len = check_index_tensor("prefill_len", prefill_len, dev)
     if coll.world_size > 1:
         check_geometry(coll, logits, vocab_start, num_valid)
+    elif num_valid == 0:
+        raise ValueError(
+            f"num_valid: 0 real columns in local_logits of shape {tuple(logits.shape)} on a "
+            "single rank: the vocabulary is empty"
+        )
     if value_checks_enabled(dev):
         _check_batch_values(
             draft_sampled,

@@ -5,7 +5,10 @@ Shape, dtype and device checks are host-only and always run. Checks that must re
 copy; they run only when :func:`value_checks` is enabled (the default) and no CUDA graph is
 being captured. Hot paths that have already validated their batch (the vLLM integration)
 turn them off with ``with value_checks(False):``. Kernels never read out of bounds even with
-value checks off: every index they load is masked or clamped.
+value checks off: every index they load is masked or clamped, so a malformed batch (more than
+K + 1 rows in a request, request-state slots or ``cu_num_logits`` out of range) gives
+unspecified outputs, never a crash. Index tensors need not be contiguous (the launchers copy
+strided views).
 """
 
 from __future__ import annotations
