@@ -66,15 +66,32 @@ def finish_variants() -> Iterator[VariantKey]:
                     yield VariantKey(family, tp=tp, transport=transport)
 
 
+SAMPLED_BLOCKS = (1024, 2048, 4096)
+"""Register-tile widths of the sampled-verification record kernel. Narrower than the greedy
+local stage's: every element carries a MurmurHash3 + two logs (Gumbel key) and the online
+(max, sumexp) state, so 8192-wide tiles would spill."""
+
+
+def sampled_variants() -> Iterator[VariantKey]:
+    """Sampled verification (compact mode): record kernel per (dtype, block), finish per TP."""
+    for dtype in DTYPES:
+        for block in SAMPLED_BLOCKS:
+            yield VariantKey("sampled_record", dtype=dtype, block=block)
+    for tp in (*(str(t) for t in UNROLLED_TP), "n"):
+        yield VariantKey("sampled_finish", tp=tp, transport="allgather")
+
+
 def all_variants() -> list[VariantKey]:
     """Every variant, in a fixed order (the MANIFEST order)."""
-    return [*local_variants(), *finish_variants()]
+    return [*local_variants(), *finish_variants(), *sampled_variants()]
 
 
 TEMPLATE_OF_FAMILY = {
     "shard_keys": "shard_keys.py.j2",
     "argmax_pick": "argmax_pick.py.j2",
     "verify_finish": "verify_finish.py.j2",
+    "sampled_record": "sampled_record.py.j2",
+    "sampled_finish": "sampled_finish.py.j2",
 }
 
 
@@ -85,6 +102,8 @@ def template_context(key: VariantKey) -> dict[str, object]:
         ctx.update(
             dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align, block=key.block
         )
+    elif key.family == "sampled_record":
+        ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], block=key.block)
     else:
         ctx.update(
             transport=key.transport,

@@ -8,6 +8,8 @@ num_sampled / num_rejected), bit-identical to vLLM on the full logits.
 Public API:
     vocab_parallel_argmax      draft-side argmax over vocab shards
     sharded_greedy_verify      target-side greedy / synthetic verification over vocab shards
+    sharded_verify             target-side verification of greedy + temperature-sampled
+                               requests (compact mode; returns a per-request fallback mask)
     can_shard_verify           per-step gate: may this step take the sharded verification?
 
 See README.md for the semantics contract and the data flow of one step.
@@ -15,11 +17,14 @@ See README.md for the semantics contract and the data flow of one step.
 
 from shardmax.gate import ShardDecision, can_shard_verify
 from shardmax.ops import sharded_greedy_verify, vocab_parallel_argmax
+from shardmax.sampled import VerifyResult, sharded_verify
 
 __all__ = [
     "ShardDecision",
+    "VerifyResult",
     "can_shard_verify",
     "sharded_greedy_verify",
+    "sharded_verify",
     "vocab_parallel_argmax",
 ]
 __version__ = "0.1.0"

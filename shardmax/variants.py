@@ -10,6 +10,8 @@ fixed order and are present only when the family has that axis::
     argmax_pick_tp4_allgather       draft finish after all_gather(dim=0) of 4 ranks' keys
     argmax_pick_allreduce           draft finish after all_reduce(MAX) of the keys
     verify_finish_tpn_allgather     target finish, any TP size (runtime loop over ranks)
+    sampled_record_bf16_b2048       sampled verification, local stage: shard -> fixed-size records
+    sampled_finish_tp4_allgather    sampled verification finish after all_gather(dim=0) of records
 
 ``tp`` is ``2``, ``4`` or ``8`` (the loop over ranks is unrolled) or ``n`` (any TP size,
 non-powers of two included). Names are valid Python module names.
@@ -21,12 +23,12 @@ import re
 from dataclasses import dataclass
 
 DTYPES = ("bf16", "fp16", "fp32")
-FAMILIES = ("shard_keys", "argmax_pick", "verify_finish")
+FAMILIES = ("shard_keys", "argmax_pick", "verify_finish", "sampled_record", "sampled_finish")
 TRANSPORTS = ("allgather", "allreduce")
 UNROLLED_TP = (2, 4, 8)
 
 _NAME_RE = re.compile(
-    r"^(?P<family>shard_keys|argmax_pick|verify_finish)"
+    r"^(?P<family>shard_keys|argmax_pick|verify_finish|sampled_record|sampled_finish)"
     r"(?:_(?P<dtype>bf16|fp16|fp32))?"
     r"(?:_va(?P<align>\d+))?"
     r"(?:_b(?P<block>\d+))?"
@@ -54,6 +56,16 @@ class VariantKey:
                 raise ValueError(f"shard_keys needs dtype, align and block: {self}")
             if self.tp is not None or self.transport is not None:
                 raise ValueError(f"shard_keys has no tp/transport axis: {self}")
+        elif self.family == "sampled_record":
+            if self.dtype not in DTYPES or self.block is None or self.align is not None:
+                raise ValueError(f"sampled_record needs dtype and block (no align): {self}")
+            if self.tp is not None or self.transport is not None:
+                raise ValueError(f"sampled_record has no tp/transport axis: {self}")
+        elif self.family == "sampled_finish":
+            if self.dtype is not None or self.align is not None or self.block is not None:
+                raise ValueError(f"sampled_finish has no dtype/align/block axis: {self}")
+            if self.transport != "allgather" or self.tp not in ("2", "4", "8", "n"):
+                raise ValueError(f"sampled_finish needs tp in 2/4/8/n and allgather: {self}")
         else:
             if self.dtype is not None or self.align is not None or self.block is not None:
                 raise ValueError(f"{self.family} has no dtype/align/block axis: {self}")
@@ -110,8 +122,11 @@ def parse_name(name: str) -> VariantKey:
 
 
 def finish_variant(op: str, tp_size: int, transport: str) -> str:
-    """Name of the finish kernel for ``op`` ("argmax" | "verify") at this TP size/transport."""
-    family = {"argmax": "argmax_pick", "verify": "verify_finish"}[op]
+    """Name of the finish kernel for ``op`` ("argmax" | "verify" | "sampled") at this TP
+    size/transport (``sampled`` exists for ``allgather`` only)."""
+    family = {"argmax": "argmax_pick", "verify": "verify_finish", "sampled": "sampled_finish"}[op]
+    if op == "sampled" and transport != "allgather":
+        raise ValueError(f"sampled verification moves records with allgather, got {transport!r}")
     if transport == "allreduce":
         return build_name(VariantKey(family, transport="allreduce"))
     tp = str(tp_size) if tp_size in UNROLLED_TP else "n"

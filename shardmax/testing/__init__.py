@@ -1,7 +1,8 @@
 """Test utilities: vLLM-layout shards, adversarial inputs, verify batches, exact comparison.
 
 ``emulate_vocab_parallel_argmax`` and ``emulate_greedy_verify`` live in
-:mod:`shardmax.testing.emulate` and are imported lazily on first access.
+:mod:`shardmax.testing.emulate`, ``emulate_verify`` (sampled verification) in
+:mod:`shardmax.testing.emulate_sampled`; they are imported lazily on first access.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "adversarial_logits",
     "assert_same_ids",
     "emulate_greedy_verify",
+    "emulate_verify",
     "emulate_vocab_parallel_argmax",
     "random_verify_batch",
     "shard_like_vllm",
@@ -33,6 +35,11 @@ _LAZY = {"emulate_greedy_verify", "emulate_vocab_parallel_argmax"}
 
 
 def __getattr__(name: str) -> Any:
+    if name == "emulate_verify":
+        from shardmax.testing.emulate_sampled import emulate_verify
+
+        globals()[name] = emulate_verify
+        return emulate_verify
     if name in _LAZY:
         from shardmax.testing import emulate
 

@@ -1,0 +1,400 @@
+"""Sharded verification of sampled (temperature) and greedy requests, compact "fast" mode.
+
+Research ``sampled-verification.md`` §1.2-§1.3 (what vLLM does) and §2.1-§2.4 (design). Data flow
+of one call on one TP rank, one collective per step::
+
+    local logits [rows, W] --sampled_record_<dtype>_b<block>--> records [rows, 3|4] int64
+    records --all_gather(dim=0)--> [tp*rows, 3|4]            (24 B per row and rank; fp64: 32 B)
+    records --sampled_finish_tp<N>_allgather--> sampled, num_sampled, num_rejected, fallback
+
+Exactness (vs :func:`shardmax.reference_sampled.verify_sampled` and vLLM):
+
+* greedy requests (``T == 0``): exactly :func:`shardmax.reference.greedy_verify`;
+* Gumbel resample / bonus tokens and synthetic acceptance: exact (partition-free keys);
+* temperature acceptance: the global LSE is rebuilt from per-rank ``(max, sumexp)`` in fp64, so
+  it is not vLLM's fp32 bits; every row whose decision could differ (interval test, research
+  §2.3) sets ``fallback`` for its request -- all other decisions are vLLM's;
+* requests with NaN / +inf / no finite logit in a used row, and requests with an active top-k
+  (not in this mode) are returned with ``fallback = True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import triton
+
+from shardmax import kernels
+from shardmax.collectives import Collective, resolve
+from shardmax.geometry import check_geometry
+from shardmax.ops import validate_verify_inputs
+from shardmax.validation import SUPPORTED_DTYPES, check_index_tensor, value_checks_enabled
+from shardmax.variants import VariantKey, build_name, finish_variant
+
+__all__ = ["DEFAULT_RECORD_BLOCK", "VerifyResult", "record_variant", "sharded_verify"]
+
+DEFAULT_RECORD_BLOCK = 2048
+"""Record-kernel tile when nothing else is asked (untuned; any block gives the same keys)."""
+
+MODES = ("fast", "strict")
+
+
+class VerifyResult(NamedTuple):
+    """Outputs of :func:`sharded_verify` (identical on every rank)."""
+
+    sampled: torch.Tensor  # int64 [num_reqs, K + 1], -1 at columns >= num_sampled
+    num_sampled: torch.Tensor  # int32 [num_reqs]
+    num_rejected: torch.Tensor  # int32 [num_reqs]
+    fallback: torch.Tensor  # bool [num_reqs]: verify these requests the native way
+
+
+def record_variant(dtype: torch.dtype, block: int = DEFAULT_RECORD_BLOCK) -> str:
+    """Name of the record kernel for a logits dtype and tile width."""
+    return build_name(VariantKey("sampled_record", dtype=SUPPORTED_DTYPES[dtype], block=block))
+
+
+def record_words(use_fp64_gumbel: bool) -> int:
+    """int64 words per record: key, (m, s), (x[d], flag) + the key's id word in fp64 mode."""
+    return 4 if use_fp64_gumbel else 3
+
+
+class _Checked(NamedTuple):
+    logits: torch.Tensor
+    vocab_start: int
+    num_valid: int
+    vocab: int
+    temperature: torch.Tensor  # fp32 [max_num_reqs]
+    top_k: torch.Tensor | None
+
+
+def validate_sampled_inputs(
+    local_logits: torch.Tensor,
+    draft_sampled: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    pos: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    expanded_local_pos: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    num_speculative_steps: int,
+    vocab_start: int,
+    num_valid: int | None,
+    top_k: torch.Tensor | None,
+    synthetic_conditional_rates: torch.Tensor | None,
+    seq_lens: torch.Tensor | None,
+    prefill_len: torch.Tensor | None,
+    use_fp64_gumbel: bool,
+    mode: str,
+    coll: Collective,
+) -> _Checked:
+    """Every check of :func:`sharded_verify` (those of the greedy op + sampling state)."""
+    if mode == "strict":
+        raise NotImplementedError(
+            "sharded_verify(mode='strict') is not implemented yet: strict mode needs vLLM's "
+            "per-8192-block stats and the raw values of the blocks cut by shard edges "
+            "(research §2.2/§2.5); use mode='fast' and verify the requests marked in "
+            "`fallback` the native way"
+        )
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if not isinstance(use_fp64_gumbel, bool):
+        raise TypeError(f"use_fp64_gumbel: expected a bool, got {type(use_fp64_gumbel).__name__}")
+    logits, vocab_start, num_valid = validate_verify_inputs(
+        local_logits,
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        expanded_local_pos,
+        seed,
+        num_speculative_steps,
+        vocab_start,
+        num_valid,
+        synthetic_conditional_rates,
+        seq_lens,
+        prefill_len,
+        coll,
+    )
+    dev = logits.device
+    if not isinstance(temperature, torch.Tensor):
+        raise TypeError(f"temperature: expected a torch.Tensor, got {type(temperature).__name__}")
+    if temperature.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"temperature: expected a float tensor, got {temperature.dtype}")
+    if temperature.dim() != 1:
+        raise ValueError(f"temperature: expected 1 dim, got shape {tuple(temperature.shape)}")
+    if temperature.device != dev:
+        raise ValueError(f"temperature: on {temperature.device}, expected {dev}")
+    if top_k is not None:
+        top_k = check_index_tensor("top_k", top_k, dev)
+    geometry = check_geometry(coll, logits, vocab_start, num_valid)
+    vocab = max(s + n for s, n in geometry)
+    temp32 = temperature.to(torch.float32).contiguous()
+    if value_checks_enabled(dev) and idx_mapping.numel():
+        hi = int(idx_mapping.max())
+        for name, t in (("temperature", temp32), ("top_k", top_k)):
+            if t is not None and hi >= t.shape[0]:
+                raise ValueError(
+                    f"{name}: has {t.shape[0]} slots but idx_mapping refers to slot {hi}"
+                )
+        used = temp32[idx_mapping.long()]
+        if bool((used < 0).any()) or bool(torch.isnan(used).any()):
+            raise ValueError(
+                f"temperature: must be >= 0 and not NaN on used slots, got {used.tolist()}"
+            )
+    return _Checked(logits, vocab_start, num_valid, vocab, temp32, top_k)
+
+
+def row_params(
+    draft_sampled: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    pos: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per logits row: ``(temperature fp32, seed int64, pos int64, verified draft int64)``.
+
+    The verified draft of row ``j`` is ``draft_sampled[j + 1]``, or ``-1`` on the request's
+    bonus (last) row. Device ops only (no host sync, CUDA-graph capturable).
+    """
+    rows = draft_sampled.shape[0]
+    dev = draft_sampled.device
+    cu = cu_num_logits.to(torch.int64)
+    ar = torch.arange(rows, device=dev, dtype=torch.int64)
+    req = torch.searchsorted(cu[1:].contiguous(), ar, right=True)
+    req = req.clamp_(max=max(idx_mapping.shape[0] - 1, 0))
+    slot = idx_mapping.to(torch.int64)[req]
+    last = ar == cu[1:][req] - 1
+    nxt = torch.cat([draft_sampled[1:], draft_sampled.new_full((1,), -1)]).to(torch.int64)
+    draft_row = torch.where(last, torch.full_like(nxt, -1), nxt)
+    return (
+        temperature[slot].contiguous(),
+        seed[slot].contiguous(),
+        pos.to(torch.int64).contiguous(),
+        draft_row.contiguous(),
+    )
+
+
+def sampled_records(
+    local_logits: torch.Tensor,
+    vocab_start: int,
+    num_valid: int,
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    variant: str,
+    use_fp64_gumbel: bool,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Local stage: ``[rows, W]`` logits -> ``[rows, 3 | 4]`` int64 records."""
+    mod = kernels.load(variant)
+    kernels._check_device(local_logits)
+    rows = local_logits.shape[0]
+    rec = torch.empty(
+        (rows, record_words(use_fp64_gumbel)), dtype=torch.int64, device=local_logits.device
+    )
+    if rows == 0:
+        return rec
+    temp_row, seed_row, pos_row, draft_row = params
+    mod.kernel[(rows,)](
+        local_logits,
+        rec,
+        temp_row,
+        seed_row,
+        pos_row,
+        draft_row,
+        local_logits.stride(0),
+        vocab_start,
+        num_valid,
+        BLOCK=mod.BLOCK,
+        FP64=use_fp64_gumbel,
+        num_warps=num_warps,
+    )
+    return rec
+
+
+def sampled_finish(
+    records: torch.Tensor,
+    tp: int,
+    variant: str,
+    vocab: int,
+    draft_sampled: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    pos: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    num_speculative_steps: int,
+    top_k: torch.Tensor | None,
+    synthetic_conditional_rates: torch.Tensor | None,
+    seq_lens: torch.Tensor | None,
+    prefill_len: torch.Tensor | None,
+    use_fp64_gumbel: bool,
+) -> VerifyResult:
+    """Finish: gathered records -> :class:`VerifyResult` (one program per request)."""
+    mod = kernels.load(variant)
+    num_reqs = idx_mapping.shape[0]
+    k = num_speculative_steps
+    dev = records.device
+    sampled = torch.empty((num_reqs, k + 1), dtype=torch.int64, device=dev)
+    num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=dev)
+    num_rejected = torch.empty(num_reqs, dtype=torch.int32, device=dev)
+    fallback = torch.empty(num_reqs, dtype=torch.int8, device=dev)
+    if num_reqs == 0:
+        return VerifyResult(sampled, num_sampled, num_rejected, fallback.bool())
+    synthetic = synthetic_conditional_rates is not None
+    has_prefill = seq_lens is not None and prefill_len is not None
+    dummy_i32 = torch.zeros(1, dtype=torch.int32, device=dev)
+    mod.kernel[(num_reqs,)](
+        records,
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        temperature,
+        seed,
+        top_k if top_k is not None else dummy_i32,
+        synthetic_conditional_rates if synthetic else torch.zeros(1, device=dev),
+        seq_lens if has_prefill else dummy_i32,
+        prefill_len if has_prefill else dummy_i32,
+        sampled,
+        num_sampled,
+        num_rejected,
+        fallback,
+        draft_sampled.shape[0],
+        tp,
+        vocab,
+        sampled.stride(0),
+        K=k,
+        KP1_P2=triton.next_power_of_2(k + 1),
+        FP64=use_fp64_gumbel,
+        SYNTHETIC=synthetic,
+        HAS_PREFILL=has_prefill,
+        HAS_TOPK=top_k is not None,
+        num_warps=1,
+    )
+    return VerifyResult(sampled, num_sampled, num_rejected, fallback.bool())
+
+
+def _empty(k: int, dev: torch.device) -> VerifyResult:
+    return VerifyResult(
+        torch.empty((0, k + 1), dtype=torch.int64, device=dev),
+        torch.empty(0, dtype=torch.int32, device=dev),
+        torch.empty(0, dtype=torch.int32, device=dev),
+        torch.empty(0, dtype=torch.bool, device=dev),
+    )
+
+
+def sharded_verify(
+    local_logits: torch.Tensor,
+    draft_sampled: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    pos: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    expanded_local_pos: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    num_speculative_steps: int,
+    *,
+    vocab_start: int,
+    num_valid: int | None = None,
+    top_k: torch.Tensor | None = None,
+    synthetic_conditional_rates: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    prefill_len: torch.Tensor | None = None,
+    use_fp64_gumbel: bool = False,
+    mode: str = "fast",
+    group: Any = None,
+) -> VerifyResult:
+    """Speculative verification of greedy and sampled requests from vocab shards.
+
+    vLLM model runner V2 ``rejection_sample`` for one-hot drafts (research §1.2-§1.3) followed by
+    ``get_num_sampled_and_rejected``, computed from one all-gather of fixed-size records (24 B per
+    row and rank; 32 B with fp64 Gumbel) instead of the full logits. Per request ``r`` (rows
+    ``[cu[r], cu[r+1])``, slot ``idx_mapping[r]``, ``T = temperature[slot]``):
+
+    * ``T == 0`` (greedy): exactly :func:`shardmax.sharded_greedy_verify` / the greedy reference.
+    * ``T > 0``: rows are processed as ``x / T`` in fp32 (``T == 1`` untouched); draft ``i``
+      (``d = draft_sampled[cu[r]+i+1]``) is accepted iff ``x[d] - LSE > log u`` with
+      ``u = tl.rand(seed[slot], pos[row])`` clamped (synthetic mode: ``u < rate[i]``); ``d < 0``
+      ends verification; the first rejected row (draft removed) or the bonus row draws its token
+      by keyed Gumbel-max; ``num_sampled = accepted + 1``.
+    * chunked prefill (``seq_lens[r] < prefill_len[slot]``): 0 sampled, 0 rejected, all -1.
+
+    ``fallback[r]`` is True when the caller must verify request ``r`` the native way (its outputs
+    here are then a valid sample but not guaranteed to be vLLM's bits): a row the decision used
+    sits within the LSE error bound of the acceptance threshold (interval test, research §2.3),
+    a used row holds NaN / +inf or no finite logit, or the request has an active top-k
+    (``0 < k < V``; not supported in this mode: its outputs are ``-1`` / 0 / 0).
+
+    Args:
+        local_logits, draft_sampled, cu_num_logits, pos, idx_mapping, expanded_local_pos, seed,
+            num_speculative_steps, vocab_start, num_valid, synthetic_conditional_rates,
+            seq_lens, prefill_len, group: as :func:`shardmax.sharded_greedy_verify`.
+        temperature: float ``[max_num_reqs]`` per slot (cast to fp32); 0 = greedy.
+        top_k: optional int32/int64 ``[max_num_reqs]`` per slot (``k <= 0`` or ``k >= V``: off).
+        use_fp64_gumbel: vLLM's ``use_fp64_gumbel`` (fp64 Gumbel keys).
+        mode: ``"fast"`` (compact records + fallback flags); ``"strict"`` raises
+            NotImplementedError.
+
+    Returns:
+        :class:`VerifyResult` ``(sampled int64 [num_reqs, K+1], num_sampled int32,
+        num_rejected int32, fallback bool)``, identical on every rank.
+
+    Raises:
+        TypeError / ValueError naming the argument (as the greedy op, plus temperature/top-k
+        shape, dtype, slot range, negative or NaN temperature); NotImplementedError for
+        ``mode="strict"``.
+    """
+    coll = resolve(group)
+    chk = validate_sampled_inputs(
+        local_logits,
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        expanded_local_pos,
+        temperature,
+        seed,
+        num_speculative_steps,
+        vocab_start,
+        num_valid,
+        top_k,
+        synthetic_conditional_rates,
+        seq_lens,
+        prefill_len,
+        use_fp64_gumbel,
+        mode,
+        coll,
+    )
+    logits = chk.logits
+    k = num_speculative_steps
+    if idx_mapping.shape[0] == 0:
+        return _empty(k, logits.device)
+    params = row_params(draft_sampled, cu_num_logits, pos, idx_mapping, chk.temperature, seed)
+    rec = sampled_records(
+        logits,
+        chk.vocab_start,
+        chk.num_valid,
+        params,
+        record_variant(logits.dtype),
+        use_fp64_gumbel,
+    )
+    gathered = coll.all_gather_dim0(rec)
+    return sampled_finish(
+        gathered,
+        coll.world_size,
+        finish_variant("sampled", coll.world_size, "allgather"),
+        chk.vocab,
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        chk.temperature,
+        seed,
+        k,
+        chk.top_k,
+        synthetic_conditional_rates,
+        seq_lens,
+        prefill_len,
+        use_fp64_gumbel,
+    )

@@ -1,0 +1,114 @@
+"""In-process emulation of :func:`shardmax.sharded_verify` over ``tp_size`` ranks.
+
+Every emulated rank runs the ``sampled_record`` kernel on its :func:`shard_like_vllm` shard; the
+records are concatenated in rank order exactly as ``all_gather(dim=0)`` returns them, and the
+finish kernel a real rank would run reduces them. Nothing else is shared between "ranks".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardmax.collectives import SingleRank
+from shardmax.sampled import (
+    VerifyResult,
+    _empty,
+    record_variant,
+    row_params,
+    sampled_finish,
+    sampled_records,
+    validate_sampled_inputs,
+)
+from shardmax.testing.shards import default_pad_to, shard_like_vllm
+from shardmax.variants import finish_variant
+
+__all__ = ["emulate_verify"]
+
+
+def emulate_verify(
+    full_logits: torch.Tensor,
+    tp_size: int,
+    draft_sampled: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    pos: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    expanded_local_pos: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    num_speculative_steps: int,
+    *,
+    top_k: torch.Tensor | None = None,
+    synthetic_conditional_rates: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    prefill_len: torch.Tensor | None = None,
+    use_fp64_gumbel: bool = False,
+    mode: str = "fast",
+    record_block: int | None = None,
+    pad_to: int | None = None,
+) -> VerifyResult:
+    """``sharded_verify`` of ``tp_size`` emulated ranks over ``full_logits [num_logits, V]``.
+
+    Same arguments and outputs as :func:`shardmax.sharded_verify` after ``tp_size`` (the batch is
+    validated as the public op validates it, against the full vocabulary). ``record_block``
+    forces the record kernel's tile (``generator.space.SAMPLED_BLOCKS``); the finish variant
+    follows the TP size (``tp2/4/8`` unrolled, ``tpn`` otherwise, TP 1 included).
+    """
+    chk = validate_sampled_inputs(
+        full_logits,
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        expanded_local_pos,
+        temperature,
+        seed,
+        num_speculative_steps,
+        0,
+        None,
+        top_k,
+        synthetic_conditional_rates,
+        seq_lens,
+        prefill_len,
+        use_fp64_gumbel,
+        mode,
+        SingleRank(),
+    )
+    k = num_speculative_steps
+    if idx_mapping.shape[0] == 0:
+        return _empty(k, full_logits.device)
+    shards = shard_like_vllm(
+        full_logits, tp_size, pad_to=pad_to or default_pad_to(full_logits.shape[1], tp_size)
+    )
+    params = row_params(draft_sampled, cu_num_logits, pos, idx_mapping, chk.temperature, seed)
+    variant = (
+        record_variant(full_logits.dtype)
+        if record_block is None
+        else record_variant(full_logits.dtype, record_block)
+    )
+    records = torch.cat(
+        [
+            sampled_records(
+                s.local_logits, s.vocab_start, s.num_valid, params, variant, use_fp64_gumbel
+            )
+            for s in shards
+        ],
+        dim=0,
+    )
+    return sampled_finish(
+        records,
+        tp_size,
+        finish_variant("sampled", tp_size, "allgather"),
+        chk.vocab,
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        chk.temperature,
+        seed,
+        k,
+        chk.top_k,
+        synthetic_conditional_rates,
+        seq_lens,
+        prefill_len,
+        use_fp64_gumbel,
+    )

@@ -1,0 +1,256 @@
+"""Sampled verification (compact "fast" mode) vs the plain-torch reference, emulated TP 1-8.
+
+Every non-fallback request must give ``==`` sampled / num_sampled / num_rejected against
+:func:`shardmax.reference_sampled.verify_sampled`; greedy requests must match
+:func:`shardmax.reference.greedy_verify` and are never flagged; rows built within an ulp of the
+acceptance threshold must be flagged. Sections: 1. every generated variant on mixed batches
+(temperatures 0.5/0.7/1.0/1.3 + greedy, fp32/fp64 Gumbel, placeholders, prefill, dtypes,
+synthetic); 2. ulp-margin rows; 3. top-k / strict / NaN / the public op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import shardmax
+from generator.space import SAMPLED_BLOCKS
+from shardmax import reference
+from shardmax._gumbel import acceptance_uniform_triton
+from shardmax.reference_sampled import apply_temperature, verify_sampled
+from shardmax.testing import emulate_verify, random_verify_batch
+from shardmax.variants import DTYPES
+
+TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TEMPS = (0.5, 0.7, 1.0, 1.3, 0.0)
+
+
+def _batch(num_reqs: int, k: int, vocab: int, seed: int, dtype=torch.float32, **kw):
+    """A vLLM-shaped batch with peaked logits (so sampled requests accept some drafts) and a
+    temperature per slot drawn from TEMPS (0 = greedy)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = num_reqs * (k + 1)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3.0).to(dtype)
+    batch = random_verify_batch(num_reqs, k, vocab, seed=seed, logits=logits, **kw)
+    temps = torch.tensor(TEMPS)[torch.randint(0, len(TEMPS), (batch.max_num_reqs,), generator=gen)]
+    return batch, temps
+
+
+def _run(batch, temps, tp: int, *, fp64: bool = False, block: int | None = None, **extra):
+    a = batch.args()
+    kw = dict(batch.kwargs(), use_fp64_gumbel=fp64, **extra)
+    got = emulate_verify(batch.logits, tp, *a[:5], temps, *a[5:], record_block=block, **kw)
+    want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
+    return got, want
+
+
+def _assert_equal_unflagged(got, want, batch, temps, tp: int) -> int:
+    ok = ~got.fallback
+    for name, g, w in zip(("sampled", "num_sampled", "num_rejected"), got[:3], want, strict=True):
+        assert g.dtype == w.dtype, name
+        assert torch.equal(g[ok], w[ok]), f"{name} differs at tp={tp}:\n got {g}\nwant {w}"
+    # greedy requests: exactly the greedy reference, never flagged
+    greedy = temps[batch.idx_mapping.long()] == 0
+    ref = reference.greedy_verify(batch.logits, *batch.args(), **batch.kwargs())
+    assert not bool(got.fallback[greedy].any())
+    for g, w in zip(got[:3], ref, strict=True):
+        assert torch.equal(g[greedy], w[greedy])
+    return int(got.fallback.sum())
+
+
+# every record variant (dtype x block), the finish variants cycled through TP 1/2/3/4/8
+RECORDS = [(d, b) for d in DTYPES for b in SAMPLED_BLOCKS]
+TPS = (2, 4, 8, 3, 1)
+
+
+@pytest.mark.parametrize(("dtype", "block"), RECORDS)
+def test_every_variant_mixed_batch(dtype: str, block: int) -> None:
+    i = RECORDS.index((dtype, block))
+    tp = TPS[i % len(TPS)]
+    fp64 = i % 2 == 1
+    vocab = 1200 + 37 * i  # shards narrower than a block, padded shards
+    batch, temps = _batch(6, 3, vocab, seed=100 + i, dtype=TORCH_DTYPE[dtype], placeholder_prob=0.2)
+    got, want = _run(batch, temps, tp, fp64=fp64, block=block)
+    flagged = _assert_equal_unflagged(got, want, batch, temps, tp)
+    assert flagged <= 1  # random rows essentially never sit at the threshold
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("fp64", [False, True])
+def test_tp_sizes_fp32_fp64(tp: int, fp64: bool) -> None:
+    batch, temps = _batch(5, 3, 2003, seed=tp * 11 + fp64, prefill_prob=0.2)
+    got, want = _run(batch, temps, tp, fp64=fp64, block=4096)
+    assert _assert_equal_unflagged(got, want, batch, temps, tp) <= 1
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_synthetic(tp: int) -> None:
+    batch, temps = _batch(6, 3, 1000, seed=7 + tp, synthetic=True)
+    got, want = _run(batch, temps, tp, block=4096)
+    assert _assert_equal_unflagged(got, want, batch, temps, tp) == 0  # no LSE: never risky
+
+
+def test_k1_and_k5_no_prefill_args() -> None:
+    for k, tp in ((1, 2), (5, 4)):
+        batch, temps = _batch(4, k, 900, seed=k)
+        a = batch.args()
+        got = emulate_verify(batch.logits, tp, *a[:5], temps, *a[5:], record_block=4096)
+        want = verify_sampled(batch.logits, *a[:5], temps, *a[5:])
+        ok = ~got.fallback
+        for g, w in zip(got[:3], want, strict=True):
+            assert torch.equal(g[ok], w[ok])
+
+
+# --------------------------------------------------------------------------------------------
+# ulp-margin rows
+# --------------------------------------------------------------------------------------------
+
+
+def _nudge(x: float, ulps: int) -> float:
+    t = torch.tensor([x], dtype=torch.float32)
+    step = torch.tensor([math.inf if ulps > 0 else -math.inf], dtype=torch.float32)
+    for _ in range(abs(ulps)):
+        t = torch.nextafter(t, step)
+    return float(t)
+
+
+def _margin_batch(seed: int, vocab: int = 1000, num_reqs: int = 10):
+    """Every request's first draft sits within ~1 ulp of vLLM's acceptance threshold."""
+    batch, _ = _batch(num_reqs, 2, vocab, seed=seed, placeholder_prob=0.0, prefill_prob=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    temps = torch.tensor([1.0, 0.7, 1.3])[torch.randint(0, 3, (batch.max_num_reqs,), generator=gen)]
+    logits = batch.logits.clone()
+    cu = batch.cu_num_logits.tolist()
+    slots = batch.idx_mapping.long()
+    drafts = batch.draft_sampled.clone()
+    targets = []
+    for r in range(num_reqs):
+        row = cu[r]
+        if cu[r + 1] - row < 2:
+            continue
+        d = int(torch.randint(0, vocab, (1,), generator=gen))
+        drafts[row + 1] = d
+        t = float(temps[slots[r]])
+        seed_r = batch.seed[slots[r]].reshape(1)
+        u, _ = acceptance_uniform_triton(seed_r, batch.pos[row].reshape(1))
+        u = float(u)
+        p = apply_temperature(logits[row : row + 1], torch.tensor([t]), torch.tensor([0]))[0]
+        p = p.double()
+        rest = torch.logsumexp(torch.cat([p[:d], p[d + 1 :]]), 0).item()
+        target = math.log(u) + rest - math.log1p(-u)  # x_d - LSE(x) == log u exactly
+        raw = float(torch.tensor(target * t, dtype=torch.float32))
+        logits[row, d] = _nudge(raw, int(torch.randint(-2, 3, (1,), generator=gen)))
+        targets.append(r)
+    batch.logits = logits
+    batch.draft_sampled = drafts
+    return batch, temps, targets
+
+
+@pytest.mark.parametrize(("seed", "tp"), [(1, 2), (2, 3), (3, 4)])
+def test_ulp_margin_rows_are_flagged(seed: int, tp: int) -> None:
+    batch, temps, targets = _margin_batch(seed)
+    got, want = _run(batch, temps, tp, block=1024)
+    assert targets and all(bool(got.fallback[r]) for r in targets), got.fallback
+    # non-flagged requests (none of the margin ones) never disagree
+    _assert_equal_unflagged(got, want, batch, temps, tp)
+
+
+def test_exact_vs_fp32_disagreements_are_flagged() -> None:
+    """Count rows where vLLM-style fp32 decisions differ from exact arithmetic: all flagged."""
+    disagree = flagged_disagree = 0
+    for seed in (11, 12):
+        batch, temps, targets = _margin_batch(seed, num_reqs=12)
+        got, _ = _run(batch, temps, 2, block=2048)
+        cu = batch.cu_num_logits.tolist()
+        slots = batch.idx_mapping.long()
+        for r in targets:
+            row = cu[r]
+            d = int(batch.draft_sampled[row + 1])
+            t = float(temps[slots[r]])
+            p = apply_temperature(batch.logits[row : row + 1], torch.tensor([t]), torch.tensor([0]))
+            _, log_u = acceptance_uniform_triton(
+                batch.seed[slots[r]].reshape(1), batch.pos[row].reshape(1)
+            )
+            lse32 = torch.logsumexp(p[0], 0)
+            fp32_dec = bool((p[0, d] - lse32) > log_u[0])
+            exact = (p[0].double()[d] - torch.logsumexp(p[0].double(), 0)).item()
+            if fp32_dec != (exact > float(log_u[0])):
+                disagree += 1
+                flagged_disagree += int(bool(got.fallback[r]))
+    assert flagged_disagree == disagree
+
+
+# --------------------------------------------------------------------------------------------
+# top-k, strict, NaN, public op
+# --------------------------------------------------------------------------------------------
+
+
+def test_topk_requests_fall_back() -> None:
+    batch, temps = _batch(6, 3, 800, seed=5, prefill_prob=0.0)
+    top_k = torch.zeros(batch.max_num_reqs, dtype=torch.int64)
+    top_k[batch.idx_mapping.long()[::2]] = 20  # active on every other request
+    top_k[batch.idx_mapping.long()[1]] = 800  # k >= V: off
+    a = batch.args()
+    got = emulate_verify(batch.logits, 2, *a[:5], temps, *a[5:], top_k=top_k, record_block=4096)
+    want = verify_sampled(batch.logits, *a[:5], temps, *a[5:])
+    active = (top_k[batch.idx_mapping.long()] == 20) & (temps[batch.idx_mapping.long()] != 0)
+    assert torch.equal(got.fallback & active, active)
+    assert bool((got.sampled[active] == -1).all()) and bool((got.num_sampled[active] == 0).all())
+    ok = ~got.fallback
+    for g, w in zip(got[:3], want, strict=True):
+        assert torch.equal(g[ok], w[ok])
+
+
+def test_strict_mode_not_implemented() -> None:
+    batch, temps = _batch(2, 3, 300, seed=1)
+    a = batch.args()
+    with pytest.raises(NotImplementedError, match="strict"):
+        shardmax.sharded_verify(batch.logits, *a[:5], temps, *a[5:], vocab_start=0, mode="strict")
+    with pytest.raises(ValueError, match="mode"):
+        shardmax.sharded_verify(batch.logits, *a[:5], temps, *a[5:], vocab_start=0, mode="x")
+    bad = temps.clone()
+    bad[batch.idx_mapping.long()[0]] = -1.0
+    with pytest.raises(ValueError, match="temperature"):
+        shardmax.sharded_verify(batch.logits, *a[:5], bad, *a[5:], vocab_start=0)
+
+
+def test_nan_rows_of_sampled_requests_fall_back() -> None:
+    batch, temps = _batch(4, 3, 700, seed=9, prefill_prob=0.0)
+    temps[batch.idx_mapping.long()] = 0.7
+    batch.logits[batch.cu_num_logits[:-1].long(), 5] = float("nan")  # first row: always used
+    a = batch.args()
+    got = emulate_verify(batch.logits, 2, *a[:5], temps, *a[5:], record_block=4096)
+    assert bool(got.fallback.all())
+    # a NaN only in rows the decision does not use (past a rejection) is not flagged
+    batch.logits[batch.cu_num_logits[:-1].long(), 5] = 0.0
+    last = batch.cu_num_logits[1:].long() - 1
+    batch.logits[last, 5] = float("nan")
+    got = emulate_verify(batch.logits, 2, *a[:5], temps, *a[5:], record_block=4096)
+    full = got.num_sampled == (batch.cu_num_logits[1:] - batch.cu_num_logits[:-1])
+    assert torch.equal(got.fallback, full)
+
+
+def test_public_op_single_rank() -> None:
+    batch, temps = _batch(5, 3, 1500, seed=21)
+    a = batch.args()
+    got = shardmax.sharded_verify(batch.logits, *a[:5], temps, *a[5:], vocab_start=0)
+    assert isinstance(got, shardmax.VerifyResult)
+    want = verify_sampled(batch.logits, *a[:5], temps, *a[5:])
+    ok = ~got.fallback
+    for g, w in zip(got[:3], want, strict=True):
+        assert torch.equal(g[ok], w[ok])
+    empty = shardmax.sharded_verify(
+        batch.logits[:0],
+        batch.draft_sampled[:0],
+        batch.cu_num_logits[:1],
+        batch.pos[:0],
+        batch.idx_mapping[:0],
+        batch.expanded_local_pos[:0],
+        temps,
+        batch.seed,
+        3,
+        vocab_start=0,
+    )
+    assert empty.sampled.shape == (0, 4) and empty.fallback.dtype == torch.bool
