@@ -29,6 +29,8 @@ if ! python -c "import shardmax, optuna, ruff, mypy, pytest" 2>/dev/null \
   python -m pip install -q -e ".[dev]"
   touch .venv/.shardmax-installed
 fi
+# Triton 3.9+ warns until the FP-fusion default is explicit; keep the default vLLM runs with.
+export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   export TRITON_INTERPRET=1  # no GPU: every Triton kernel runs in the interpreter
 fi
