@@ -162,3 +162,30 @@ def test_capture_after_warmup_never_compiles() -> None:
         graph.replay()
     torch.cuda.synchronize()
     assert _compiled() == before, "a launch during capture compiled a kernel"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("fp64", [False, True])
+def test_sampled_verify_fast_mode_on_gpu(tp: int, fp64: bool) -> None:
+    """Sampled verification (fast mode) on the GPU vs the reference on the GPU: every
+    non-fallback request identical, greedy requests never flagged. (Temperature division:
+    the kernel uses Triton's default fp32 division, as vLLM's temperature kernel does; a
+    mismatch here on a sampled row points at the reference's torch division.)"""
+    from shardmax.reference_sampled import verify_sampled
+    from shardmax.testing import emulate_verify
+
+    gen = torch.Generator().manual_seed(tp)
+    for vocab, dtype in ((32001, torch.bfloat16), (200064, torch.float32)):
+        rows = 24 * 4
+        logits = (torch.randn(rows, vocab, generator=gen) * 3.0).to(dtype).to(DEV)
+        batch = random_verify_batch(24, 3, vocab, seed=tp, logits=logits, device=DEV)
+        temps = torch.tensor((0.5, 0.7, 1.0, 1.3, 0.0))[
+            torch.randint(0, 5, (batch.max_num_reqs,), generator=gen)
+        ].to(DEV)
+        a = batch.args()
+        kw = dict(batch.kwargs(), use_fp64_gumbel=fp64)
+        got = emulate_verify(batch.logits, tp, *a[:5], temps, *a[5:], **kw)
+        want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
+        ok = ~got.fallback
+        for g, w in zip(got[:3], want, strict=True):
+            assert torch.equal(g[ok].cpu(), w[ok].cpu())
