@@ -17,7 +17,15 @@ import torch
 
 from shardmax import kernels
 from shardmax.collectives import Collective, resolve
-from shardmax.dispatch import PLAIN, Problem, Selection, alignment_of, select
+from shardmax.dispatch import (
+    PLAIN,
+    TARGET_PROGRAMS,
+    Problem,
+    Selection,
+    alignment_of,
+    builtin_default,
+    select,
+)
 from shardmax.geometry import check_geometry
 from shardmax.validation import (
     SUPPORTED_DTYPES,
@@ -25,6 +33,7 @@ from shardmax.validation import (
     check_local_logits,
     value_checks_enabled,
 )
+from shardmax.variants import finish_variant
 
 
 def _selection(op: str, logits: torch.Tensor, tp: int) -> Selection:
@@ -287,21 +296,42 @@ def sharded_greedy_verify(
         )
     sel = _selection("verify", logits, coll.world_size)
     if sel.variant == PLAIN:
-        from shardmax import reference
-
-        full = _plain_full_logits(logits, vocab_start, num_valid, coll)
-        return reference.greedy_verify(
+        # The unsharded path: gather the full logits, then the same exact finish on one
+        # "rank" holding the whole vocabulary (no host sync, CUDA-graph capturable).
+        full = _plain_full_logits(logits, vocab_start, num_valid, coll).contiguous()
+        one = builtin_default(
+            Problem(
+                "verify",
+                SUPPORTED_DTYPES[full.dtype],
+                1,
+                full.shape[0],
+                full.shape[1],
+                alignment_of(full),
+            ),
+            target_programs=1 if full.device.type == "cpu" else TARGET_PROGRAMS,
+        )
+        keys = kernels.shard_keys(
             full,
+            0,
+            full.shape[1],
+            one.variant,
+            splits=one.splits,
+            num_warps=int(one.launch["num_warps"]),
+            num_stages=int(one.launch["num_stages"]),
+        )
+        return kernels.verify_finish(
+            keys,
+            1,
+            finish_variant("verify", 1, "allreduce"),
             draft_sampled,
             cu_num_logits,
             pos,
             idx_mapping,
-            expanded_local_pos,
             seed,
             k,
-            synthetic_conditional_rates=synthetic_conditional_rates,
-            seq_lens=seq_lens,
-            prefill_len=prefill_len,
+            synthetic_conditional_rates,
+            seq_lens,
+            prefill_len,
         )
     keys = _global_keys(logits, vocab_start, num_valid, coll, sel)
     return kernels.verify_finish(

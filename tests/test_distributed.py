@@ -65,12 +65,13 @@ def _parity_body(
 ) -> None:
     dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
     group = dist.group.WORLD
-    for transport in ("allgather", "allreduce"):
+    for transport in ("allgather", "allreduce", "plain"):
+        force = {"variant": "plain"} if transport == "plain" else {"transport": transport}
         for step, dtype in enumerate(DTYPES):
             full = adversarial_logits(20, vocab, dtype=dtype, seed=step, tp_size=world, block=1024)
             shard = shard_like_vllm(full, world)[rank]
             local = shard.local_logits.to(dev)
-            with dispatch.override(transport=transport, splits=2):
+            with dispatch.override(**force):
                 ids = shardmax.vocab_parallel_argmax(
                     local, vocab_start=shard.vocab_start, num_valid=shard.num_valid, group=group
                 )
@@ -84,7 +85,7 @@ def _parity_body(
                 k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
                 for k, v in batch.kwargs().items()
             }
-            with dispatch.override(transport=transport):
+            with dispatch.override(**force):
                 got = shardmax.sharded_greedy_verify(
                     vshard.local_logits.to(dev),
                     *args,
