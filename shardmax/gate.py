@@ -12,7 +12,8 @@ Rules, in the order they are checked, with the vLLM field each one stands for:
 rule                            vLLM field (spec §5 table)
 ==============================  ===============================================================
 every temperature ``== 0.0``    ``sampling_states.temperature.np[idx_mapping_np]`` (exact zero:
-                                a "small" temperature is sampled, not greedy)
+                                a "small" temperature is sampled, not greedy); with
+                                ``allow_temperature=True``: ``== 0.0`` or finite ``> 0``
 top_k disabled                  ``sampling_states.top_k.np == vocab_size`` (``<= 0`` also means
                                 disabled at the API level)
 top_p disabled                  ``sampling_states.top_p.np == 1.0``
@@ -34,10 +35,16 @@ no sampling mask                ``model_config.return_sampling_mask``
 
 Synthetic acceptance (``synthetic_conditional_rates`` set) is allowed: the sharded path
 implements it.
+
+``allow_temperature=True`` is for callers that verify with :func:`shardmax.sharded_verify`
+(temperature-only rows) and re-run vLLM's native verification when any request comes back with
+``fallback`` set; ``has_logits_processors`` must then NOT count vLLM's temperature scaling
+itself (vLLM 0.32 sets ``needs_logits_processing`` for every ``T not in (0, 1)`` request).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,6 +90,7 @@ def can_shard_verify(
     compute_nans: bool = False,
     return_sampling_mask: bool = False,
     num_draft_tokens: int = 1,
+    allow_temperature: bool = False,
 ) -> ShardDecision:
     """Decide whether one verification step may use the sharded greedy path (spec §5).
 
@@ -105,6 +113,9 @@ def can_shard_verify(
         compute_nans: ``VLLM_COMPUTE_NANS_IN_LOGITS`` (per-row NaN counts are an extra output).
         return_sampling_mask: ``model_config.return_sampling_mask`` (extra output).
         num_draft_tokens: drafts in the step; must be ``> 0``.
+        allow_temperature: also accept sampled requests (finite temperature ``> 0``); every other
+            rule is unchanged (top-k / top-p / min-p must still be disabled). Default ``False``:
+            greedy only.
 
     Returns:
         :class:`ShardDecision`; e.g. ``ShardDecision(False, "temperature[3]=0.7 != 0
@@ -114,8 +125,12 @@ def can_shard_verify(
         Nothing for well-typed input: every failing rule is reported in the decision.
     """
     for i, t in enumerate(temperatures):
-        if t != 0.0:  # NaN also fails here
+        if t == 0.0:
+            continue
+        if not allow_temperature:  # NaN also fails here
             return _no(f"temperature[{i}]={t} != 0 (non-greedy request)")
+        if not (t > 0.0 and math.isfinite(t)):  # NaN, inf, negative
+            return _no(f"temperature[{i}]={t} is not a finite value >= 0")
     if top_k is not None:
         for i, k in enumerate(top_k):
             if k > 0 and (vocab_size is None or k != vocab_size):

