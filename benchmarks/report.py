@@ -26,7 +26,7 @@ LOCAL_FIELDS = [
 STEP_FIELDS = [
     "dtype", "vocab", "tp", "width", "rows", "op", "path", "transport", "dispatched", "variant",
     "splits", "wire_bytes_per_rank", "launches", "copies", "p20_us", "p50_us", "p80_us",
-    "p50_us_rank0", "correct", "error", "metric", "source",
+    "p50_us_rank0", "correct", "error", "metric", "source", "flag_rate",
 ]  # fmt: skip
 
 HEADLINE_VOCAB = 200064
@@ -165,7 +165,7 @@ def step_view(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for dtype, n in keys:
         m = {"dtype": dtype, "rows": n}
         rec: dict[str, Any] = {"dtype": dtype, "rows": n}
-        for op in ("argmax", "verify"):
+        for op in ("argmax", "verify", "sampled"):
             shard = [
                 r for r in rows if r.get("op") == op and str(r.get("path", "")).startswith(
                     "sharded") and r["dtype"] == dtype and r["rows"] == n and _ok(r)
@@ -184,6 +184,10 @@ def step_view(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rec[f"{op}_correct"] = all(bool(r.get("correct")) for r in shard)
             rec[f"{op}_wire"] = disp.get("wire_bytes_per_rank") if disp else None
             rec[f"{op}_plain_wire"] = plain.get("wire_bytes_per_rank") if plain else None
+        fr = next((r.get("flag_rate") for r in rows if r.get("op") == "sampled"
+                   and r.get("path") == "sharded_fast" and r["dtype"] == dtype
+                   and r["rows"] == n), None)  # fmt: skip
+        rec["sampled_flag_rate"] = fr if isinstance(fr, (int, float)) else float("nan")
         vllm = _pick(rows, op="argmax", path="vllm_unfused", **m)
         rec["vllm_us"] = _p50(vllm)
         rec["speedup_vs_vllm"] = ratio(rec["vllm_us"], rec["argmax_sharded_us"])
@@ -396,6 +400,29 @@ def summary_markdown(local_rows: list[dict[str, Any]], step_rows: list[dict[str,
             ),
             "",
         ]  # fmt: skip
+    sampled = [r for r in step if not math.isnan(r["sampled_sharded_us"])]
+    if sampled:
+        parts += [
+            "## Sampled verification step, TP2, V=200064 (temperature 1.0, fast mode)",
+            "",
+            "Sharded = `sharded_verify(mode=\"fast\")`: one all_gather of 24-byte records per "
+            "row and rank, then the finish kernel. Plain = all_gather of the full padded logits, "
+            "then the same kernels on the full logits. Flagged = fraction of requests returned "
+            "with `fallback` (the caller re-verifies them natively); on these random-normal "
+            "logits, not a prediction for real traffic. Greedy verification of the same batch "
+            "alongside.",
+            "",
+            _table(
+                ["dtype", "rows", "sampled sharded us", "sampled plain us", "x plain",
+                 "flagged", "greedy verify x plain", "wire sharded B", "wire plain B"],
+                [[r["dtype"], str(r["rows"]), _f(r["sampled_sharded_us"]),
+                  _f(r["sampled_plain_us"]), _f(r["sampled_speedup"]),
+                  _f(r["sampled_flag_rate"], 3), _f(r["verify_speedup"]),
+                  str(r["sampled_wire"] or ""), str(r["sampled_plain_wire"] or "")]
+                 for r in sampled],
+            ),
+            "",
+        ]  # fmt: skip
     errors = [r for r in local_rows + step_rows if r.get("error")]
     if errors:
         parts += ["## Failed measurements", ""]
@@ -424,7 +451,8 @@ def short_table(local_rows: list[dict[str, Any]], step_rows: list[dict[str, Any]
             lines.append(
                 f"{r['dtype']:>4} rows={r['rows']:>4}  argmax {_f(r['argmax_sharded_us']):>7}"
                 f" / {_f(r['argmax_plain_us']):>7} / {_f(r['vllm_us']):>7}   verify "
-                f"{_f(r['verify_sharded_us']):>7} / {_f(r['verify_plain_us']):>7}  floor "
+                f"{_f(r['verify_sharded_us']):>7} / {_f(r['verify_plain_us']):>7}  sampled "
+                f"{_f(r['sampled_sharded_us']):>7} / {_f(r['sampled_plain_us']):>7}  floor "
                 f"{_f(r['floor_us'])}"
             )
     return "\n".join(lines)

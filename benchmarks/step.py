@@ -21,6 +21,14 @@ Every rank holds its vLLM shard ``[rows, W]`` of the same seeded full logits ``[
     argmax over ranks.
 ``collective/floor_allreduce_int64``
     all_reduce(MAX) of one int64 per row: the collective's small-message floor.
+``sampled/sharded_fast``
+    ``shardmax.sharded_verify(..., mode="fast")`` on the same batch with temperature 1.0 on
+    every request: one all_gather of 24-byte records per row and rank, then the finish kernel.
+    ``flag_rate`` = fraction of requests returned with ``fallback`` (eager check), checked
+    ``==`` :func:`shardmax.reference_sampled.verify_sampled` on every other request.
+``sampled/plain``
+    all_gather of the full padded logits, then the same sampled kernels on the full logits
+    (one rank's records + finish): the unsharded step with the same arithmetic.
 
 Every path is checked against the reference on the full logits before it is timed; timing is
 CUDA-graph replay (fixed counts on every rank, warm-up before capture, barrier before every
@@ -47,6 +55,8 @@ LOG = functools.partial(print, flush=True)
 VOCAB = 200064
 K = 3
 KEY_BYTES = 8
+SAMPLED_RECORD_BYTES = 24
+SAMPLED_TEMPERATURE = 1.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,8 @@ def wire_bytes_per_rank(
     ``sharded_allgather`` / ``sharded_allreduce``: ``8 * splits * rows`` (int64 keys);
     ``plain``: ``rows * width * elem_size`` (the padded shard in the logits' dtype);
     ``vllm_unfused``: ``8 * rows`` (an fp32 (value, id) pair per row);
-    ``floor_allreduce_int64``: ``8 * rows``.
+    ``floor_allreduce_int64``: ``8 * rows``;
+    ``sharded_fast`` (sampled verification): ``24 * rows`` (one fp32-Gumbel record per row).
     """
     if rows < 0 or splits < 1:
         raise ValueError(f"rows={rows}, splits={splits}")
@@ -77,6 +88,8 @@ def wire_bytes_per_rank(
         return rows * width * elem_size
     if path in ("vllm_unfused", "floor_allreduce_int64"):
         return 8 * rows
+    if path == "sharded_fast":
+        return SAMPLED_RECORD_BYTES * rows
     raise ValueError(f"unknown path {path!r}")
 
 
@@ -344,6 +357,12 @@ class _StepBench:
         batch = make_verify_batch(want_ids, plan.k, plan.vocab, seed=rows)
         vargs, vkw = batch.args(), batch.kwargs()
         want_v = reference.greedy_verify(full, *vargs, **vkw)
+        from shardmax.reference_sampled import verify_sampled
+
+        temps = torch.full(
+            (batch.seed.shape[0],), SAMPLED_TEMPERATURE, dtype=torch.float32, device=dev
+        )
+        want_s = verify_sampled(full, *vargs[:5], temps, *vargs[5:], **vkw)
         del full
 
         base = {"dtype": dtype_name, "vocab": plan.vocab, "tp": tp, "width": width,
@@ -431,6 +450,40 @@ class _StepBench:
                     "dispatched": sels["verify"][0].variant == PLAIN,
                     "wire_bytes_per_rank": wire_plain})  # fmt: skip
 
+        # ---- sampled verification (temperature 1.0 everywhere), fast mode vs gather + same
+        flagged: list[float] = []
+
+        def same_sampled(got: Any) -> bool:
+            keep = ~got.fallback
+            flagged.append(float(got.fallback.float().mean()))
+            return all(
+                torch.equal(a[keep].cpu(), b[keep].cpu())
+                for a, b in zip(got[:3], want_s, strict=True)
+            )
+
+        def sampled_sharded(i: int) -> Any:
+            return shardmax.sharded_verify(
+                xs[i], *vargs[:5], temps, *vargs[5:], vocab_start=vs, num_valid=nv,
+                group=self.pg, mode="fast", **vkw,
+            )  # fmt: skip
+
+        def sampled_plain(i: int) -> Any:
+            return shardmax.sharded_verify(
+                plain_full(xs[i]), *vargs[:5], temps, *vargs[5:], vocab_start=0, mode="fast",
+                **vkw,
+            )  # fmt: skip
+
+        for path, fn, wire in (
+            ("sharded_fast", sampled_sharded, wire_bytes_per_rank("sharded_fast", rows)),
+            ("plain", sampled_plain, wire_plain),
+        ):
+            flagged.clear()
+            self._path(fn, same_sampled, copies,
+                       {**base, "op": "sampled", "path": path, "transport": "allgather",
+                        "variant": f"T={SAMPLED_TEMPERATURE:g} fast", "dispatched": path != "plain",
+                        "wire_bytes_per_rank": wire},
+                       flag_rate=lambda: flagged[0] if flagged else "")  # fmt: skip
+
         # ---- vLLM unfused get_top_tokens (spec §3.3)
         from benchmarks.local import vllm_unfused_local
 
@@ -463,6 +516,7 @@ class _StepBench:
         check: Callable[[Any], bool],
         copies: int,
         row: dict[str, Any],
+        flag_rate: Callable[[], Any] | None = None,
     ) -> None:
         """Eager check, then timing; all ranks agree at each stage; rank 0 writes the row."""
         err = ""
@@ -476,6 +530,8 @@ class _StepBench:
             self.log(f"[step] {row['op']}/{row['path']} rows={row['rows']} FAILED: {err}")
             return
         ok = self.agree(ok)
+        if flag_rate is not None:
+            row = {**row, "flag_rate": flag_rate()}
         if not ok:
             self.log(f"[step] MISMATCH {row['op']}/{row['path']} {row['dtype']} rows={row['rows']}")
         try:

@@ -1,41 +1,83 @@
 #!/usr/bin/env bash
-# One batched run on the 2xH200 machine (device tool): multi-GPU parity tests, the tuner's quick
-# sweep (single GPU) + transport/plain sweep at TP2 (torchrun), the dispatcher check, and the
-# benchmarks. Every stage has its own time limit so the whole run ends inside 10 minutes;
-# results come back as one archive: $OUT/results.tar.gz (+ logs).
+# Batched GPU work on the 2xH200 machine (device tool), in stages of under 10 minutes each.
+#   bash scripts/gpu_session.sh A   GPU checks (every gpu/multigpu test), then the full bf16 sweep
+#                                   at TP 1/2 (argmax on GPU 0, verify on GPU 1, in parallel)
+#   bash scripts/gpu_session.sh B   full bf16 sweep at TP 4/8, then the transport + plain-path
+#                                   sweep at TP2 over real NCCL (bf16 and fp32, V=200064)
+#   bash scripts/gpu_session.sh C   fp32 sweep (V=200064, TP 1/4/8), then the full benchmarks with
+#                                   the tables of A-C
+# Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
+# ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out}; mkdir -p "$OUT"
+STAGE=${1:?stage A, B or C}
+OUT=${OUT:-out/session}; mkdir -p "$OUT"
+TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || echo "install failed"
-T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 \
+  || echo "install failed"
+T0=$(date +%s)
+stamp() { echo "[$(($(date +%s) - T0))s] $*"; }
+left() { echo $((${1} - ($(date +%s) - T0))); }  # seconds left of a stage deadline
 
-stamp "multi-GPU parity tests (NCCL, eager + CUDA graphs)"
-timeout 150 python3 -m pytest -m multigpu -q -p no:cacheprovider tests/test_distributed.py 2>&1 | tail -4
+# tune GPU OP LOG ARGS...: one single-GPU sweep writing into $TABLES
+tune() {
+  local gpu=$1 op=$2 log=$3
+  shift 3
+  CUDA_VISIBLE_DEVICES=$gpu python3 -m tuner --op "$op" --out "$TABLES" --no-progress \
+    --space quick --rounds 3 "$@" >"$OUT/$log" 2>&1
+  echo "  $op: rc=$? $(grep -c -- '->' "$OUT/$log") rows; $(grep -E 'budget spent|wrote' "$OUT/$log" | cut -c1-120 | tr '\n' ' ')"
+}
+pair() {  # pair LOGTAG ARGS...: argmax on GPU 0 and verify on GPU 1 at the same time
+  local tag=$1
+  shift
+  tune 0 argmax "tune_${tag}_argmax.log" "$@" &
+  tune 1 verify "tune_${tag}_verify.log" "$@" &
+  wait
+}
 
-stamp "tuner --quick (one GPU; local stage + finish per TP shard width)"
-timeout 200 python3 -m tuner --quick --n-trials 24 --timeout 2.5 --no-progress > "$OUT/tune_single.log" 2>&1
-echo "rc=$?"; tail -4 "$OUT/tune_single.log"
+case "$STAGE" in
+A)
+  stamp "GPU checks"
+  OUT="$OUT/checks" timeout 240 bash scripts/gpu_checks.sh 2>&1 | tail -40
+  stamp "full bf16 sweep, TP 1/2"
+  pair A --dtype bf16 --tp 1 2 --n-trials 10 --budget-s "$(left 520)"
+  ;;
+B)
+  stamp "full bf16 sweep, TP 4/8"
+  pair B --dtype bf16 --tp 4 8 --n-trials 10 --budget-s "$(left 330)"
+  stamp "transport + plain path at TP2 over NCCL (bf16, fp32; V=200064)"
+  timeout "$(left 570)" torchrun --nproc-per-node 2 -m tuner --distributed --out "$TABLES" \
+    --no-progress --space quick --rounds 3 --dtype bf16 fp32 --vocab 200064 --n-trials 10 \
+    --budget-s "$(left 520)" >"$OUT/tune_B_tp2.log" 2>&1
+  echo "  rc=$? $(grep -c -- '->' "$OUT/tune_B_tp2.log") rows; $(grep -E 'budget spent' "$OUT/tune_B_tp2.log" | cut -c1-200)"
+  ;;
+C)
+  stamp "fp32 sweep V=200064 TP 1/4/8"
+  pair C --dtype fp32 --vocab 200064 --tp 1 4 8 --n-trials 10 --budget-s "$(left 110)"
+  stamp "benchmarks (full matrix) with the new tables"
+  SHARDMAX_TABLES_DIR=$TABLES timeout "$(left 575)" python3 -m benchmarks \
+    --budget-s "$(left 540)" --out benchmarks/results/sm90 >"$OUT/bench.log" 2>&1
+  echo "  rc=$?"
+  tail -30 "$OUT/bench.log"
+  ;;
+*)
+  echo "unknown stage $STAGE" >&2
+  exit 2
+  ;;
+esac
 
-stamp "tuner --distributed --quick at TP2 (transport + plain path, real NCCL)"
-timeout 110 torchrun --nproc-per-node 2 -m tuner --distributed --quick --vocab 200064 \
-  --rows 4 32 96 512 --n-trials 16 --timeout 3 --no-progress > "$OUT/tune_tp2.log" 2>&1
-echo "rc=$?"; tail -4 "$OUT/tune_tp2.log"
-
-stamp "dispatcher on this GPU"
-python3 - <<'PY'
+stamp "dispatcher with the new tables"
+SHARDMAX_TABLES_DIR=$TABLES python3 - <<'PY'
 from shardmax.dispatch import Problem, select
 for op in ("argmax", "verify"):
     for tp, w in ((4, 50016), (2, 100032), (1, 200064)):
         s = select(Problem(op, "bf16", tp, 96, w, 16))
-        print(f"  {op:6} V=200064 TP{tp} 96 rows -> {s.variant} {s.launch} is_tuned={s.is_tuned}")
+        print(f"  {op:6} V=200064 TP{tp} 96 rows -> {s.variant} {s.launch} tuned={s.is_tuned}")
 PY
-
-stamp "benchmarks (local kernel + TP2 step)"
-timeout 190 python3 -m benchmarks --quick --budget-s 150 --out benchmarks/results/sm90 > "$OUT/bench.log" 2>&1
-echo "rc=$?"; tail -45 "$OUT/bench.log"
-
-tar czf "$OUT/results.tar.gz" generated/sm90 benchmarks/results/sm90 2>/dev/null
+tar czf "$OUT/results.tar.gz" -C out tables -C .. benchmarks/results/sm90 2>/dev/null
 stamp "done"

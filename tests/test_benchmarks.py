@@ -300,7 +300,11 @@ def test_smoke_run_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         ("argmax", "sharded_allgather"), ("argmax", "sharded_allreduce"),
         ("verify", "sharded_allgather"), ("verify", "sharded_allreduce"),
         ("argmax", "plain"), ("verify", "plain"), ("argmax", "vllm_unfused"),
-        ("collective", "floor_allreduce_int64"),
+        ("collective", "floor_allreduce_int64"), ("sampled", "sharded_fast"),
+        ("sampled", "plain"),
     }  # fmt: skip
     assert all(r["correct"] == 1 for r in step)
-    assert (tmp_path / "SUMMARY.md").exists()
+    sampled = [r for r in step if r["op"] == "sampled"]
+    assert all(0.0 <= r["flag_rate"] <= 1.0 for r in sampled)
+    assert {r["wire_bytes_per_rank"] for r in sampled if r["path"] == "sharded_fast"} == {24 * 4}
+    assert "## Sampled verification step" in (tmp_path / "SUMMARY.md").read_text()

@@ -166,6 +166,24 @@ def test_decide_hysteresis_and_tie_break():
     assert win.cfg.name == "b2048_w4_s2_x4_allgather"
 
 
+def test_decide_never_slower_than_builtin_default():
+    inc, dflt = "b4096_w8_s2_x25_allgather", "b4096_w8_s2_x16_allgather"
+    ms = [_m(inc, 10.22), _m(dflt, 10.10), _m("b2048_w8_s2_x8_allgather", 10.5)]
+    # without the ceiling hysteresis keeps the (1 % slower) incumbent ...
+    assert export.decide(ms, Config.parse(inc)).cfg.name == inc
+    # ... with it, the incumbent is not eligible and the default wins
+    assert export.decide(ms, Config.parse(inc), ceiling=Config.parse(dflt)).cfg.name == dflt
+    # a challenger at or below the default may still win
+    ms.append(_m("b1024_w4_s2_x8_allgather", 8.0))
+    win = export.decide(ms, Config.parse(inc), ceiling=Config.parse(dflt))
+    assert win.cfg.name == "b1024_w4_s2_x8_allgather"
+    # the ceiling not measured (e.g. failed to run): plain hysteresis
+    assert (
+        export.decide(ms[:1] + ms[2:3], Config.parse(inc), ceiling=Config.parse(dflt)).cfg.name
+        == inc
+    )
+
+
 def test_export_tuned_table_resolves(tmp_path, monkeypatch):
     match = {"dtype": "bf16", "tp": 4, "align": 16, "rows_le": 32, "width_le": 50016}
     rows = [
@@ -259,6 +277,15 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch, capsys):
     sel = dispatch.select(Problem("argmax", "bf16", 1, 3, 3008, 16, arch="sm90"))
     assert sel.source == f"{path}#0" and sel.is_tuned is False
     assert sel.variant == row["variant"]
+
+
+def test_budget_skips_buckets_not_started(tmp_path, capsys):
+    argv = ["--op", "argmax", "--tp", "1", "2", "--rows", "4", "--no-progress", "--no-plot"]
+    argv += ["--studies-dir", str(tmp_path / "s"), "--out", str(tmp_path / "o")]
+    assert tuner_main([*argv, "--budget-s", "1e-9"]) == 0
+    text = capsys.readouterr().out
+    assert "budget spent: 2 buckets not tuned" in text
+    assert "argmax-bf16-tp1-va16-r4-w3008" in text and "argmax-bf16-tp2-va16-r4-w1504" in text
 
 
 def test_help_and_timing_import_without_optuna():

@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run under torchrun: time real collectives (allgather vs allreduce) "
         "and the plain path at tp = world size; rank 0 owns the study",
     )
+    p.add_argument(
+        "--space",
+        choices=("quick", "full"),
+        help="search space: quick = warps 4/8/16, stages 2 (default with --quick and on CPU); "
+        "full = every warps/stages value of the arch (default otherwise)",
+    )
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=("bf16", "fp16", "fp32"))
     p.add_argument("--tp", nargs="+", type=int, help="TP sizes (default: 1 2 4 8)")
     p.add_argument("--vocab", nargs="+", type=int, help="vocabularies (default: problems.MODELS)")
@@ -81,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--n-trials", type=int, help="max new trials per bucket (default: the whole grid; 3 on CPU)"
     )
     p.add_argument("--timeout", type=float, help="seconds per bucket")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        help="wall-clock budget of the whole sweep: buckets not started when it is spent are "
+        "skipped (listed at the end); rows already finished are written",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampler and gate seed")
     p.add_argument("--l2-cold", action="store_true", help="rotate input copies (>= 3x L2/MALL)")
     p.add_argument("--rounds", type=int, help="interleaved re-measure rounds (5; 2 on CPU)")
@@ -169,6 +181,11 @@ def _sweep(
         if not on_gpu:
             mode = "cpu interpreter (meaningless timings)"
     root = dist_ctx is None or dist_ctx.is_root
+    quick_space = args.space == "quick" if args.space else (args.quick or not on_gpu)
+    import time
+
+    deadline = time.monotonic() + args.budget_s if args.budget_s else None
+    skipped: list[str] = []
     n_trials = args.n_trials if args.n_trials is not None else (None if on_gpu else 3)
     rounds = args.rounds or (5 if on_gpu else 2)
     metric = metric_name(device, args.l2_cold)
@@ -197,9 +214,10 @@ def _sweep(
         if root:
             print(f"[{arch} {op}] {len(bs)} buckets, mode: {mode}; metric: {metric}")
         for b in bs:
-            configs = candidates(
-                b, arch, quick=args.quick or not on_gpu, distributed=dist_ctx is not None
-            )
+            if _out_of_budget(deadline, dist_ctx):
+                skipped.append(b.slug)
+                continue
+            configs = candidates(b, arch, quick=quick_space, distributed=dist_ctx is not None)
             runner = Runner(b, device, dist=dist_ctx, cold=args.l2_cold)
             if not root:
                 worker_loop(runner)
@@ -259,12 +277,30 @@ def _sweep(
                     print(f"[{arch} {op}] plot {png}")
         elif root and not write:
             print(f"[{arch} {op}] {len(new_rows)} rows NOT written (pass --write-table)")
+    if root and skipped:
+        print(f"budget spent: {len(skipped)} buckets not tuned: {' '.join(skipped)}")
     if dist_ctx is not None:
         import torch.distributed as tdist
 
         tdist.barrier()
         tdist.destroy_process_group()
     return 0
+
+
+def _out_of_budget(deadline: float | None, dist_ctx: Any) -> bool:
+    """True once the sweep's budget is spent; rank 0 decides for every rank (broadcast)."""
+    if deadline is None:
+        return False
+    import time
+
+    over = time.monotonic() > deadline
+    if dist_ctx is None:
+        return over
+    import torch.distributed as tdist
+
+    flag = [over]
+    tdist.broadcast_object_list(flag, src=0)
+    return bool(flag[0])
 
 
 if __name__ == "__main__":

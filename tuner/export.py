@@ -6,9 +6,11 @@ Per bucket (design §5 rule 4, aesthetics d2):
    bucket) + the built-in default + the plain path when it is in the space;
 2. re-measure them interleaved (ABCABC..., ``rounds`` rounds) in this process; a candidate's
    time is the median of its per-round medians, its noise the IQR of those;
-3. keep the incumbent (or, without one, the built-in default) unless the best challenger wins by
-   ``max(3 %, 2 x IQR)``; among challengers within that band of the best, take fewer warps,
-   then smaller block, then the name (deterministic);
+3. only candidates whose median is at or below the built-in default's (same interleaved run) may
+   win, so a table row is never slower than what the dispatcher would do without a table; among
+   them keep the incumbent (or, without one, the built-in default) unless the best challenger
+   wins by ``max(3 %, 2 x IQR)``; among challengers within that band of the best, take fewer
+   warps, then smaller block, then the name (deterministic);
 4. re-verify the winner with ANOTHER seed and twice the rows; a failure drops it and repeats 3.
 
 Tables match :func:`shardmax.dispatch.validate_table`: rows ordered so that the first match is
@@ -96,8 +98,17 @@ def _threshold(a: Measured, b: Measured) -> float:
     return max(MIN_GAIN * a.p50, IQR_FACTOR * max(a.iqr, b.iqr))
 
 
-def decide(measured: list[Measured], protected: Config | None) -> Measured:
-    """Winner under hysteresis (see the module docstring)."""
+def decide(
+    measured: list[Measured], protected: Config | None, ceiling: Config | None = None
+) -> Measured:
+    """Winner under hysteresis (see the module docstring).
+
+    ``ceiling``: the built-in default; when it is among ``measured``, candidates with a larger
+    median are not eligible (the default itself always is).
+    """
+    cap = next((m for m in measured if m.cfg == ceiling), None)
+    if cap is not None:
+        measured = [m for m in measured if m is cap or m.p50 <= cap.p50]
     best = min(measured, key=lambda m: (m.p50, m.cfg.tie_key()))
     inc = next((m for m in measured if m.cfg == protected), None)
     if inc is not None and inc.p50 - best.p50 <= _threshold(inc, best):
@@ -161,7 +172,7 @@ def finalize_bucket(
     plain_m = next((m for m in measured if m.cfg.is_plain), None)
     protected: Config | None = incumbent if incumbent is not None else default
     while measured:
-        win = decide(measured, protected)
+        win = decide(measured, protected, ceiling=default)
         reason = runner.gate(win.cfg, seed + VERIFY_SEED_OFFSET, 2)
         if reason is None:
             break
