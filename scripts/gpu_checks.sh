@@ -10,8 +10,17 @@ OUT_DIR=${OUT:-out}
 mkdir -p "$OUT_DIR"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  # only the wheels of packages the image lacks (never shadow its numpy, yaml, ...)
+  mapfile -t WHEELS < <(for w in .whl/*.whl; do
+    m=$(basename "$w" | cut -d- -f1 | tr '[:upper:]' '[:lower:]')
+    case $m in pyyaml) m=yaml ;; typing_extensions) ;; esac
+    python3 -c "import $m" 2>/dev/null || echo "$w"
+  done)
+  if [ ${#WHEELS[@]} -gt 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site "${WHEELS[@]}"
+  fi
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT_DIR/install.log" 2>&1 \
   || { echo "install failed"; tail -20 "$OUT_DIR/install.log"; exit 1; }
