@@ -2,10 +2,10 @@
 # Batched GPU work on the 2xH200 machine (device tool), in stages of under 10 minutes each.
 #   bash scripts/gpu_session.sh A   GPU checks (every gpu/multigpu test), then the full bf16 sweep
 #                                   at TP 1/2 (argmax on GPU 0, verify on GPU 1, in parallel)
-#   bash scripts/gpu_session.sh B   full bf16 sweep at TP 4/8, then the transport + plain-path
-#                                   sweep at TP2 over real NCCL (bf16 and fp32, V=200064)
-#   bash scripts/gpu_session.sh C   fp32 sweep (V=200064, TP 1/4/8), then the full benchmarks with
-#                                   the tables of A-C
+#   bash scripts/gpu_session.sh B   the sampled GPU test, the transport + plain-path sweep at TP2
+#                                   over real NCCL (bf16, fp32, V=200064), then bf16/fp32 sweeps at
+#                                   TP 4/8/1 for V=200064, 262144, 151936
+#   bash scripts/gpu_session.sh C   the full benchmarks with the tables of A and B
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
@@ -57,20 +57,21 @@ A)
   pair A --dtype bf16 --tp 1 2 --n-trials 10 --budget-s "$(left 520)"
   ;;
 B)
-  stamp "full bf16 sweep, TP 4/8"
-  pair B --dtype bf16 --tp 4 8 --n-trials 10 --budget-s "$(left 330)"
+  stamp "sampled verification on the GPU (fast mode vs the reference)"
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu -k sampled tests/test_gpu.py 2>&1 | tail -3
   stamp "transport + plain path at TP2 over NCCL (bf16, fp32; V=200064)"
-  timeout "$(left 570)" torchrun --nproc-per-node 2 -m tuner --distributed --out "$TABLES" \
+  timeout 200 torchrun --nproc-per-node 2 -m tuner --distributed --out "$TABLES" \
     --no-progress --space quick --rounds 3 --dtype bf16 fp32 --vocab 200064 --n-trials 10 \
-    --budget-s "$(left 520)" >"$OUT/tune_B_tp2.log" 2>&1
-  echo "  rc=$? $(grep -c -- '->' "$OUT/tune_B_tp2.log") rows; $(grep -E 'budget spent' "$OUT/tune_B_tp2.log" | cut -c1-200)"
+    --rows 1 4 32 96 512 2048 --budget-s 170 >"$OUT/tune_B_tp2.log" 2>&1
+  echo "  rc=$? $(grep -c -- '->' "$OUT/tune_B_tp2.log") rows; $(grep -E 'budget spent' "$OUT/tune_B_tp2.log" | cut -c1-300)"
+  stamp "bf16 TP 4/8 and fp32 TP 1/4/8 sweeps (V=200064, 262144, 151936)"
+  pair B --dtype bf16 fp32 --tp 4 8 1 --vocab 200064 262144 151936 --rows 1 4 16 32 96 256 512 2048 \
+    --n-trials 8 --budget-s "$(left 560)"
   ;;
 C)
-  stamp "fp32 sweep V=200064 TP 1/4/8"
-  pair C --dtype fp32 --vocab 200064 --tp 1 4 8 --n-trials 10 --budget-s "$(left 110)"
   stamp "benchmarks (full matrix) with the new tables"
-  SHARDMAX_TABLES_DIR=$TABLES timeout "$(left 575)" python3 -m benchmarks \
-    --budget-s "$(left 540)" --out benchmarks/results/sm90 >"$OUT/bench.log" 2>&1
+  SHARDMAX_TABLES_DIR=$TABLES timeout "$(left 560)" python3 -m benchmarks \
+    --budget-s "$(left 500)" --out benchmarks/results/sm90 >"$OUT/bench.log" 2>&1
   echo "  rc=$?"
   tail -30 "$OUT/bench.log"
   ;;

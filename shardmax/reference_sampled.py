@@ -504,7 +504,9 @@ def rejection_sample_sampled(
         from shardmax._gumbel import acceptance_uniform_triton
 
         vr = torch.tensor(verify_rows, dtype=torch.int64)
-        u, log_u = acceptance_uniform_triton(row_seed[vr], pos64[vr])
+        # Triton helpers run where the logits live (the interpreter only on CPU tensors)
+        u, log_u = acceptance_uniform_triton(row_seed[vr].to(device), pos64[vr].to(device))
+        u, log_u = u.cpu(), log_u.cpu()
         u_of = dict(zip(verify_rows, u.tolist(), strict=True))
         logu_of = dict(zip(verify_rows, log_u.tolist(), strict=True))
         if not synthetic:
@@ -537,7 +539,7 @@ def rejection_sample_sampled(
         if j != end - 1 and drafts[j + 1] >= 0:
             masked = drafts[j + 1]
         sampled[r, accepted] = gumbel_argmax(
-            x[j], int(row_seed[j]), int(pos64[j]), masked, use_fp64_gumbel
+            x[j].to(device), int(row_seed[j]), int(pos64[j]), masked, use_fp64_gumbel
         )
         num_sampled[r] = accepted + 1
     return sampled.to(device), num_sampled.to(device)
