@@ -65,7 +65,9 @@ B)
     --rows 1 4 32 96 512 2048 --budget-s 170 >"$OUT/tune_B_tp2.log" 2>&1
   echo "  rc=$? $(grep -c -- '->' "$OUT/tune_B_tp2.log") rows; $(grep -E 'budget spent' "$OUT/tune_B_tp2.log" | cut -c1-300)"
   stamp "bf16 TP 4/8 and fp32 TP 1/4/8 sweeps (V=200064, 262144, 151936)"
-  pair B --dtype bf16 fp32 --tp 4 8 1 --vocab 200064 262144 151936 --rows 1 4 16 32 96 256 512 2048 \
+  pair B1 --dtype bf16 --tp 4 8 --vocab 200064 262144 151936 --rows 1 4 16 32 96 256 512 2048 \
+    --n-trials 8 --budget-s "$(($(left 560) * 3 / 5))"
+  pair B2 --dtype fp32 --tp 1 4 8 --vocab 200064 --rows 1 4 16 32 96 256 512 2048 \
     --n-trials 8 --budget-s "$(left 560)"
   ;;
 C)
