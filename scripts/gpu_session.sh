@@ -6,6 +6,9 @@
 #                                   over real NCCL (bf16, fp32, V=200064), then bf16/fp32 sweeps at
 #                                   TP 4/8/1 for V=200064, 262144, 151936
 #   bash scripts/gpu_session.sh C   the full benchmarks with the tables of A and B
+#   bash scripts/gpu_session.sh D   the sampled GPU test and the step benchmark again (after a
+#                                   change of the sampled kernels), then the bf16 TP2 sweep of the
+#                                   vocabularies other than 200064
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
@@ -76,6 +79,18 @@ C)
     --budget-s "$(left 500)" --out benchmarks/results/sm90 >"$OUT/bench.log" 2>&1
   echo "  rc=$?"
   tail -30 "$OUT/bench.log"
+  ;;
+D)
+  stamp "sampled verification on the GPU (record splits on)"
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu -k sampled tests/test_gpu.py 2>&1 | tail -3
+  stamp "step benchmark again (greedy + sampled paths)"
+  SHARDMAX_TABLES_DIR=$TABLES timeout 150 python3 -m benchmarks --part step --budget-s 120 \
+    --out benchmarks/results/sm90 >"$OUT/bench_step.log" 2>&1
+  echo "  rc=$?"
+  tail -20 "$OUT/bench_step.log"
+  stamp "bf16 TP2 sweep for the other vocabularies (single GPU each op)"
+  pair D --dtype bf16 --tp 2 --vocab 50257 128256 151936 152064 163840 262144 \
+    --n-trials 8 --budget-s "$(left 500)"
   ;;
 *)
   echo "unknown stage $STAGE" >&2

@@ -3,9 +3,13 @@
 Research ``sampled-verification.md`` §1.2-§1.3 (what vLLM does) and §2.1-§2.4 (design). Data flow
 of one call on one TP rank, one collective per step::
 
-    local logits [rows, W] --sampled_record_<dtype>_b<block>--> records [rows, 3|4] int64
-    records --all_gather(dim=0)--> [tp*rows, 3|4]            (24 B per row and rank; fp64: 32 B)
+    local logits [rows, W] --sampled_record_<dtype>_b<block>--> records [S*rows, 3|4] int64
+    records --all_gather(dim=0)--> [tp*S*rows, 3|4]     (24*S B per row and rank; fp64: 32*S B)
     records --sampled_finish_tp<N>_allgather--> sampled, num_sampled, num_rejected, fallback
+
+``S`` = :func:`record_splits` programs per row (1 for a batch that fills the GPU on its own; up to
+32 for a few rows, so a decode step with one request does not run one program over the whole
+shard); the finish combines the ``N = tp * S`` records of a row exactly as it combines ranks.
 
 Exactness (vs :func:`shardmax.reference_sampled.verify_sampled` and vLLM):
 
@@ -36,6 +40,7 @@ __all__ = ["DEFAULT_RECORD_BLOCK", "VerifyResult", "record_variant", "sharded_ve
 
 DEFAULT_RECORD_BLOCK = 2048
 """Record-kernel tile when nothing else is asked (untuned; any block gives the same keys)."""
+MAX_RECORD_SPLITS = 32
 
 MODES = ("fast", "strict")
 
@@ -176,6 +181,25 @@ def row_params(
     )
 
 
+def record_splits(rows: int, width: int, block: int, device: torch.device) -> int:
+    """Programs per row of the record kernel (a power of two, untuned rule); ``width`` is the
+    padded shard width, the same on every rank (so is the result, as the all_gather needs).
+
+    On a GPU: about :data:`shardmax.dispatch.TARGET_PROGRAMS` programs in all, at most
+    :data:`MAX_RECORD_SPLITS`, and at least two tiles of ``block`` columns per split; 1 on CPU
+    (the interpreter gains nothing from more programs). The outputs do not depend on it.
+    """
+    if device.type != "cuda" or rows <= 0:
+        return 1
+    from shardmax.dispatch import TARGET_PROGRAMS
+
+    cap = min(triton.cdiv(TARGET_PROGRAMS, rows), max(1, width // (2 * block)))
+    s = 1
+    while s * 2 <= min(cap, MAX_RECORD_SPLITS):
+        s *= 2
+    return s
+
+
 def sampled_records(
     local_logits: torch.Tensor,
     vocab_start: int,
@@ -184,18 +208,25 @@ def sampled_records(
     variant: str,
     use_fp64_gumbel: bool,
     num_warps: int = 4,
+    splits: int = 1,
 ) -> torch.Tensor:
-    """Local stage: ``[rows, W]`` logits -> ``[rows, 3 | 4]`` int64 records."""
+    """Local stage: ``[rows, W]`` logits -> ``[splits * rows, 3 | 4]`` int64 records
+    (split-major: record ``j * rows + r`` covers split ``j`` of row ``r``)."""
     mod = kernels.load(variant)
     kernels._check_device(local_logits)
+    if not isinstance(splits, int) or not 1 <= splits <= MAX_RECORD_SPLITS:
+        raise ValueError(f"splits: expected an int in [1, {MAX_RECORD_SPLITS}], got {splits!r}")
     rows = local_logits.shape[0]
     rec = torch.empty(
-        (rows, record_words(use_fp64_gumbel)), dtype=torch.int64, device=local_logits.device
+        (splits * rows, record_words(use_fp64_gumbel)),
+        dtype=torch.int64,
+        device=local_logits.device,
     )
     if rows == 0:
         return rec
+    chunk = triton.cdiv(triton.cdiv(num_valid, splits), mod.BLOCK) * mod.BLOCK
     temp_row, seed_row, pos_row, draft_row = params
-    mod.kernel[(rows,)](
+    mod.kernel[(rows, splits)](
         local_logits,
         rec,
         temp_row,
@@ -205,6 +236,7 @@ def sampled_records(
         local_logits.stride(0),
         vocab_start,
         num_valid,
+        chunk,
         BLOCK=mod.BLOCK,
         FP64=use_fp64_gumbel,
         num_warps=num_warps,
@@ -371,6 +403,8 @@ def sharded_verify(
     if idx_mapping.shape[0] == 0:
         return _empty(k, logits.device)
     params = row_params(draft_sampled, cu_num_logits, pos, idx_mapping, chk.temperature, seed)
+    # from the padded shard width, not num_valid: every rank must pick the same S
+    splits = record_splits(logits.shape[0], logits.shape[1], DEFAULT_RECORD_BLOCK, logits.device)
     rec = sampled_records(
         logits,
         chk.vocab_start,
@@ -378,12 +412,14 @@ def sharded_verify(
         params,
         record_variant(logits.dtype),
         use_fp64_gumbel,
+        splits=splits,
     )
     gathered = coll.all_gather_dim0(rec)
+    parts = coll.world_size * splits  # rank-major, then split-major: N records per row
     return sampled_finish(
         gathered,
-        coll.world_size,
-        finish_variant("sampled", coll.world_size, "allgather"),
+        parts,
+        finish_variant("sampled", parts, "allgather"),
         chk.vocab,
         draft_sampled,
         cu_num_logits,

@@ -85,6 +85,45 @@ def test_tp_sizes_fp32_fp64(tp: int, fp64: bool) -> None:
     assert _assert_equal_unflagged(got, want, batch, temps, tp) <= 1
 
 
+@pytest.mark.parametrize(("tp", "splits", "fp64"), [(1, 4, False), (2, 3, True), (3, 4, False)])
+def test_record_splits_are_virtual_ranks(tp: int, splits: int, fp64: bool) -> None:
+    """Several record programs per row and rank (the last split short or empty) give the same
+    outputs as one: the finish combines tp * splits records as it combines ranks."""
+    batch, temps = _batch(6, 3, 5003, seed=40 + tp, placeholder_prob=0.2, prefill_prob=0.2)
+    batch.logits[2, :] = -math.inf  # an all -inf row: its request falls back (no finite logit)
+    batch.logits[5, 1500] = math.nan  # NaN in one split of one rank
+    a = batch.args()
+    kw = dict(batch.kwargs(), use_fp64_gumbel=fp64)
+    one = emulate_verify(batch.logits, tp, *a[:5], temps, *a[5:], record_block=1024, **kw)
+    many = emulate_verify(
+        batch.logits, tp, *a[:5], temps, *a[5:], record_block=1024, record_splits=splits, **kw
+    )
+    want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
+    assert torch.equal(many.fallback, one.fallback)
+    ok = ~many.fallback
+    for g, o, w in zip(many[:3], one[:3], want, strict=True):
+        assert torch.equal(g[ok], o[ok]) and torch.equal(g[ok], w[ok])
+
+
+def test_record_splits_rule() -> None:
+    from shardmax.sampled import MAX_RECORD_SPLITS, record_splits
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert record_splits(1, 100032, 2048, cpu) == 1  # the interpreter: one program per row
+    assert record_splits(1, 100032, 2048, cuda) == 16  # >= 2 tiles of 2048 per split
+    assert record_splits(1, 262144, 1024, cuda) == MAX_RECORD_SPLITS
+    assert record_splits(96, 100032, 2048, cuda) == 2  # about 264 programs in all
+    assert record_splits(512, 100032, 2048, cuda) == 1
+    assert record_splits(4, 3000, 2048, cuda) == 1  # narrow shard: one tile is all there is
+    with pytest.raises(ValueError, match="splits"):
+        from shardmax.sampled import record_variant, sampled_records
+
+        x = torch.zeros(1, 8)
+        p = (torch.zeros(1), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+             torch.zeros(1, dtype=torch.int64))  # fmt: skip
+        sampled_records(x, 0, 8, p, record_variant(torch.float32), False, splits=0)
+
+
 @pytest.mark.parametrize("tp", [2, 3])
 def test_synthetic(tp: int) -> None:
     batch, temps = _batch(6, 3, 1000, seed=7 + tp, synthetic=True)

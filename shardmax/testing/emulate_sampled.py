@@ -45,13 +45,16 @@ def emulate_verify(
     mode: str = "fast",
     record_block: int | None = None,
     pad_to: int | None = None,
+    record_splits: int = 1,
 ) -> VerifyResult:
     """``sharded_verify`` of ``tp_size`` emulated ranks over ``full_logits [num_logits, V]``.
 
     Same arguments and outputs as :func:`shardmax.sharded_verify` after ``tp_size`` (the batch is
     validated as the public op validates it, against the full vocabulary). ``record_block``
-    forces the record kernel's tile (``generator.space.SAMPLED_BLOCKS``); the finish variant
-    follows the TP size (``tp2/4/8`` unrolled, ``tpn`` otherwise, TP 1 included).
+    forces the record kernel's tile (``generator.space.SAMPLED_BLOCKS``); ``record_splits``
+    (1..32) the programs per row and rank (the public op picks it with
+    :func:`shardmax.sampled.record_splits`); the finish variant follows ``tp_size *
+    record_splits`` (``2/4/8`` unrolled, ``n`` otherwise, 1 included).
     """
     chk = validate_sampled_inputs(
         full_logits,
@@ -88,16 +91,23 @@ def emulate_verify(
     records = torch.cat(
         [
             sampled_records(
-                s.local_logits, s.vocab_start, s.num_valid, params, variant, use_fp64_gumbel
+                s.local_logits,
+                s.vocab_start,
+                s.num_valid,
+                params,
+                variant,
+                use_fp64_gumbel,
+                splits=record_splits,
             )
             for s in shards
         ],
         dim=0,
     )
+    parts = tp_size * record_splits
     return sampled_finish(
         records,
-        tp_size,
-        finish_variant("sampled", tp_size, "allgather"),
+        parts,
+        finish_variant("sampled", parts, "allgather"),
         chk.vocab,
         draft_sampled,
         cu_num_logits,
