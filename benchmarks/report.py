@@ -318,7 +318,9 @@ def _meta_line(local_rows: list[dict[str, Any]]) -> str:
     return (
         f"Copy bandwidth (D2D, read+write) {_f(float(r['copy_bw_GBps']), 0)} GB/s; "
         f"empty Triton launch under graph replay {_f(float(r.get('empty_us') or 'nan'))} us "
-        "(both measured in this run)."
+        "(both measured in this run). The HBM floor is bytes read / copy bandwidth; a copy "
+        "reads and writes, and a read-only stream goes faster on HBM3e, so `% floor` above 100 "
+        "means the kernel reads at more than the copy's rate, not an error."
     )
 
 

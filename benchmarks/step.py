@@ -76,7 +76,8 @@ def wire_bytes_per_rank(
     ``plain``: ``rows * width * elem_size`` (the padded shard in the logits' dtype);
     ``vllm_unfused``: ``8 * rows`` (an fp32 (value, id) pair per row);
     ``floor_allreduce_int64``: ``8 * rows``;
-    ``sharded_fast`` (sampled verification): ``24 * rows`` (one fp32-Gumbel record per row).
+    ``sharded_fast`` (sampled verification): ``24 * splits * rows`` (one fp32-Gumbel record per
+    row and record split, :func:`shardmax.sampled.record_splits`).
     """
     if rows < 0 or splits < 1:
         raise ValueError(f"rows={rows}, splits={splits}")
@@ -89,7 +90,7 @@ def wire_bytes_per_rank(
     if path in ("vllm_unfused", "floor_allreduce_int64"):
         return 8 * rows
     if path == "sharded_fast":
-        return SAMPLED_RECORD_BYTES * rows
+        return SAMPLED_RECORD_BYTES * splits * rows
     raise ValueError(f"unknown path {path!r}")
 
 
@@ -358,6 +359,7 @@ class _StepBench:
         vargs, vkw = batch.args(), batch.kwargs()
         want_v = reference.greedy_verify(full, *vargs, **vkw)
         from shardmax.reference_sampled import verify_sampled
+        from shardmax.sampled import DEFAULT_RECORD_BLOCK, record_splits
 
         temps = torch.full(
             (batch.seed.shape[0],), SAMPLED_TEMPERATURE, dtype=torch.float32, device=dev
@@ -474,7 +476,15 @@ class _StepBench:
             )  # fmt: skip
 
         for path, fn, wire in (
-            ("sharded_fast", sampled_sharded, wire_bytes_per_rank("sharded_fast", rows)),
+            (
+                "sharded_fast",
+                sampled_sharded,
+                wire_bytes_per_rank(
+                    "sharded_fast",
+                    rows,
+                    splits=record_splits(rows, width, DEFAULT_RECORD_BLOCK, dev),
+                ),
+            ),
             ("plain", sampled_plain, wire_plain),
         ):
             flagged.clear()

@@ -198,6 +198,10 @@ def test_export_tuned_table_resolves(tmp_path, monkeypatch):
         for r in (32, 1)
     ]
     prov = {"device_name": "test", "manifest_hash": "x"}
+    # the merge starts from the packaged table: make it a known portable one, not the repo's
+    pkg = tmp_path / "pkg"
+    export.write_portable(pkg, "sm90", "argmax")
+    monkeypatch.setattr(export, "packaged_generated_dir", lambda: pkg)
     path = export.write_table(tmp_path, "sm90", "argmax", rows, prov, tuned=True)
     t = json.loads(path.read_text())
     validate_table(t)
