@@ -4,8 +4,11 @@ Research ``sampled-verification.md`` §1.2-§1.3 (what vLLM does) and §2.1-§2.
 of one call on one TP rank, one collective per step::
 
     local logits [rows, W] --sampled_record_<dtype>_b<block>--> records [S*rows, 3|4] int64
-    records --all_gather(dim=0)--> [tp*S*rows, 3|4]     (24*S B per row and rank; fp64: 32*S B)
-    records --sampled_finish_tp<N>_allgather--> sampled, num_sampled, num_rejected, fallback
+                                 (top-k step: + keys [rows, W] --torch.topk--> [rows, C] int64)
+    flat buffer [1, n] --all_gather(dim=0)--> [tp, n]   (24*S B per row and rank; fp64: 32*S B;
+                                                         top-k step: +8*S + 8*C B)
+    [tp, n] (--torch.topk merge of the tp*C candidates) --sampled_finish_tp<N>_allgather-->
+        sampled, num_sampled, num_rejected, fallback
 
 ``S`` = :func:`record_splits` programs per row (1 for a batch that fills the GPU on its own; up to
 32 for a few rows, so a decode step with one request does not run one program over the whole
@@ -18,8 +21,13 @@ Exactness (vs :func:`shardmax.reference_sampled.verify_sampled` and vLLM):
 * temperature acceptance: the global LSE is rebuilt from per-rank ``(max, sumexp)`` in fp64, so
   it is not vLLM's fp32 bits; every row whose decision could differ (interval test, research
   §2.3) sets ``fallback`` for its request -- all other decisions are vLLM's;
-* requests with NaN / +inf / no finite logit in a used row, and requests with an active top-k
-  (not in this mode) are returned with ``fallback = True``.
+* top-k requests (``0 < k < C = TOPK_CANDIDATES``): the kept set comes from every rank's top-C
+  packed keys of ``x`` merged (exact: vLLM's converged top-k, ties at the k-th value by lowest
+  id); acceptance as above with the kept set's LSE; the Gumbel token over the kept ids. Rows
+  whose k-th value is too close to the next distinct one for vLLM's pivot search to be sure to
+  converge (research §2.4: ``v_k - v' <= 3.5e-4 * (max - min_finite)``) set ``fallback``;
+* requests with NaN / +inf / no finite logit in a used row, and requests with ``k >= C`` are
+  returned with ``fallback = True``.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import triton
 from shardmax import kernels
 from shardmax.collectives import Collective, resolve
 from shardmax.geometry import check_geometry
+from shardmax.keys import EMPTY_KEY
 from shardmax.ops import validate_verify_inputs
 from shardmax.validation import SUPPORTED_DTYPES, check_index_tensor, value_checks_enabled
 from shardmax.variants import VariantKey, build_name, finish_variant
@@ -41,6 +50,9 @@ __all__ = ["DEFAULT_RECORD_BLOCK", "VerifyResult", "record_variant", "sharded_ve
 DEFAULT_RECORD_BLOCK = 2048
 """Record-kernel tile when nothing else is asked (untuned; any block gives the same keys)."""
 MAX_RECORD_SPLITS = 32
+TOPK_CANDIDATES = 64
+"""Top-k candidates per row and rank (a power of two): requests with ``k < 64`` run sharded,
+larger ``k`` come back in ``fallback``. Static, so a captured CUDA graph never reallocates."""
 
 MODES = ("fast", "strict")
 
@@ -209,19 +221,19 @@ def sampled_records(
     use_fp64_gumbel: bool,
     num_warps: int = 4,
     splits: int = 1,
+    keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Local stage: ``[rows, W]`` logits -> ``[splits * rows, 3 | 4]`` int64 records
-    (split-major: record ``j * rows + r`` covers split ``j`` of row ``r``)."""
+    """Local stage: ``[rows, W]`` logits -> ``[splits * rows, 3 | 4 (+1)]`` int64 records
+    (split-major: record ``j * rows + r`` covers split ``j`` of row ``r``). With ``keys``
+    (int64 ``[rows, >= num_valid]``) the kernel also writes the packed key of every processed
+    value there and each record gains the split's smallest finite value (top-k steps)."""
     mod = kernels.load(variant)
     kernels._check_device(local_logits)
     if not isinstance(splits, int) or not 1 <= splits <= MAX_RECORD_SPLITS:
         raise ValueError(f"splits: expected an int in [1, {MAX_RECORD_SPLITS}], got {splits!r}")
     rows = local_logits.shape[0]
-    rec = torch.empty(
-        (splits * rows, record_words(use_fp64_gumbel)),
-        dtype=torch.int64,
-        device=local_logits.device,
-    )
+    words = record_words(use_fp64_gumbel) + (keys is not None)
+    rec = torch.empty((splits * rows, words), dtype=torch.int64, device=local_logits.device)
     if rows == 0:
         return rec
     chunk = triton.cdiv(triton.cdiv(num_valid, splits), mod.BLOCK) * mod.BLOCK
@@ -233,15 +245,118 @@ def sampled_records(
         seed_row,
         pos_row,
         draft_row,
+        keys if keys is not None else rec,
         local_logits.stride(0),
+        keys.stride(0) if keys is not None else 0,
         vocab_start,
         num_valid,
         chunk,
         BLOCK=mod.BLOCK,
         FP64=use_fp64_gumbel,
+        TOPK=keys is not None,
         num_warps=num_warps,
     )
     return rec
+
+
+def local_buffer(
+    local_logits: torch.Tensor,
+    vocab_start: int,
+    num_valid: int,
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    variant: str,
+    use_fp64_gumbel: bool,
+    splits: int,
+    with_topk: bool,
+) -> torch.Tensor:
+    """What one rank contributes to the step's all_gather: int64 ``[1, n]`` = its records
+    (flattened), then, on a top-k step, its top-:data:`TOPK_CANDIDATES` packed keys per row
+    (``torch.topk`` of the keys the record kernel wrote; unique keys, so the order is exactly
+    (value desc, id asc)). ``n`` is the same on every rank."""
+    rows = local_logits.shape[0]
+    if not with_topk:
+        rec = sampled_records(
+            local_logits, vocab_start, num_valid, params, variant, use_fp64_gumbel, splits=splits
+        )
+        return rec.view(1, -1)
+    c = TOPK_CANDIDATES
+    shape = (rows, max(num_valid, c))
+    dev = local_logits.device
+    keys = (
+        torch.empty(shape, dtype=torch.int64, device=dev)
+        if num_valid >= c
+        else torch.full(shape, EMPTY_KEY, dtype=torch.int64, device=dev)  # narrow shard
+    )
+    rec = sampled_records(
+        local_logits,
+        vocab_start,
+        num_valid,
+        params,
+        variant,
+        use_fp64_gumbel,
+        splits=splits,
+        keys=keys,
+    )
+    cand = torch.topk(keys, c, dim=1, largest=True, sorted=True).values
+    return torch.cat([rec.view(-1), cand.reshape(-1)]).view(1, -1)
+
+
+def finish_gathered(
+    gathered: torch.Tensor,
+    tp: int,
+    splits: int,
+    with_topk: bool,
+    vocab: int,
+    draft_sampled: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    pos: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    num_speculative_steps: int,
+    top_k: torch.Tensor | None,
+    synthetic_conditional_rates: torch.Tensor | None,
+    seq_lens: torch.Tensor | None,
+    prefill_len: torch.Tensor | None,
+    use_fp64_gumbel: bool,
+) -> VerifyResult:
+    """Every rank: ``[tp, n]`` gathered buffers -> :class:`VerifyResult`. On a top-k step the
+    ranks' candidates are merged first (``torch.topk`` over ``tp * C`` keys: the exact global
+    top-C, since every member of it is in its own rank's top-C)."""
+    rows = draft_sampled.shape[0]
+    gathered = gathered.contiguous()
+    n = gathered.shape[1]
+    cand: torch.Tensor | None = None
+    if with_topk:
+        c = TOPK_CANDIDATES
+        words = record_words(use_fp64_gumbel) + 1
+        per_rank = gathered[:, splits * rows * words :].reshape(tp, rows, c)
+        cand = per_rank.permute(1, 0, 2).reshape(rows, tp * c)
+        if tp > 1:
+            cand = torch.topk(cand, c, dim=1, largest=True, sorted=True).values
+        cand = cand.contiguous()
+    parts = tp * splits  # rank-major, then split-major: N records per row
+    return sampled_finish(
+        gathered,
+        parts,
+        finish_variant("sampled", parts, "allgather"),
+        vocab,
+        draft_sampled,
+        cu_num_logits,
+        pos,
+        idx_mapping,
+        temperature,
+        seed,
+        num_speculative_steps,
+        top_k,
+        synthetic_conditional_rates,
+        seq_lens,
+        prefill_len,
+        use_fp64_gumbel,
+        splits=splits,
+        rank_words=n,
+        candidates=cand,
+    )
 
 
 def sampled_finish(
@@ -261,8 +376,16 @@ def sampled_finish(
     seq_lens: torch.Tensor | None,
     prefill_len: torch.Tensor | None,
     use_fp64_gumbel: bool,
+    *,
+    splits: int = 1,
+    rank_words: int | None = None,
+    candidates: torch.Tensor | None = None,
 ) -> VerifyResult:
-    """Finish: gathered records -> :class:`VerifyResult` (one program per request)."""
+    """Finish: gathered records -> :class:`VerifyResult` (one program per request).
+
+    ``tp`` = parts per row (ranks x ``splits``); part ``e`` of a row starts at word
+    ``(e // splits) * rank_words + (e % splits) * num_logits * W``; ``candidates`` = the merged
+    ``[num_logits, TOPK_CANDIDATES]`` keys of a top-k step (required with ``top_k``)."""
     mod = kernels.load(variant)
     num_reqs = idx_mapping.shape[0]
     k = num_speculative_steps
@@ -275,9 +398,16 @@ def sampled_finish(
         return VerifyResult(sampled, num_sampled, num_rejected, fallback.bool())
     synthetic = synthetic_conditional_rates is not None
     has_prefill = seq_lens is not None and prefill_len is not None
+    if top_k is not None and candidates is None:
+        raise ValueError("candidates: required when top_k is given")
+    rows = draft_sampled.shape[0]
+    words = record_words(use_fp64_gumbel) + (top_k is not None)
+    if rank_words is None:
+        rank_words = splits * rows * words
     dummy_i32 = torch.zeros(1, dtype=torch.int32, device=dev)
     mod.kernel[(num_reqs,)](
         records,
+        candidates if candidates is not None else records,
         draft_sampled,
         cu_num_logits,
         pos,
@@ -294,6 +424,8 @@ def sampled_finish(
         fallback,
         draft_sampled.shape[0],
         tp,
+        splits,
+        rank_words,
         vocab,
         sampled.stride(0),
         K=k,
@@ -302,6 +434,7 @@ def sampled_finish(
         SYNTHETIC=synthetic,
         HAS_PREFILL=has_prefill,
         HAS_TOPK=top_k is not None,
+        CAND=TOPK_CANDIDATES,
         num_warps=1,
     )
     return VerifyResult(sampled, num_sampled, num_rejected, fallback.bool())
@@ -355,8 +488,10 @@ def sharded_verify(
     ``fallback[r]`` is True when the caller must verify request ``r`` the native way (its outputs
     here are then a valid sample but not guaranteed to be vLLM's bits): a row the decision used
     sits within the LSE error bound of the acceptance threshold (interval test, research §2.3),
-    a used row holds NaN / +inf or no finite logit, or the request has an active top-k
-    (``0 < k < V``; not supported in this mode: its outputs are ``-1`` / 0 / 0).
+    a used row holds NaN / +inf or no finite logit, a used top-k row fails the convergence guard
+    (see the module docstring), or the request's top-k is ``>= TOPK_CANDIDATES`` (64; its outputs
+    are then ``-1`` / 0 / 0). Top-k requests with ``0 < k < 64`` run sharded: vLLM's top-k kept
+    set (ties at the k-th value by lowest id) from every rank's top-64 candidates.
 
     Args:
         local_logits, draft_sampled, cu_num_logits, pos, idx_mapping, expanded_local_pos, seed,
@@ -405,21 +540,22 @@ def sharded_verify(
     params = row_params(draft_sampled, cu_num_logits, pos, idx_mapping, chk.temperature, seed)
     # from the padded shard width, not num_valid: every rank must pick the same S
     splits = record_splits(logits.shape[0], logits.shape[1], DEFAULT_RECORD_BLOCK, logits.device)
-    rec = sampled_records(
+    with_topk = chk.top_k is not None
+    buf = local_buffer(
         logits,
         chk.vocab_start,
         chk.num_valid,
         params,
         record_variant(logits.dtype),
         use_fp64_gumbel,
-        splits=splits,
+        splits,
+        with_topk,
     )
-    gathered = coll.all_gather_dim0(rec)
-    parts = coll.world_size * splits  # rank-major, then split-major: N records per row
-    return sampled_finish(
-        gathered,
-        parts,
-        finish_variant("sampled", parts, "allgather"),
+    return finish_gathered(
+        coll.all_gather_dim0(buf),
+        coll.world_size,
+        splits,
+        with_topk,
         chk.vocab,
         draft_sampled,
         cu_num_logits,

@@ -13,14 +13,13 @@ from shardmax.collectives import SingleRank
 from shardmax.sampled import (
     VerifyResult,
     _empty,
+    finish_gathered,
+    local_buffer,
     record_variant,
     row_params,
-    sampled_finish,
-    sampled_records,
     validate_sampled_inputs,
 )
 from shardmax.testing.shards import default_pad_to, shard_like_vllm
-from shardmax.variants import finish_variant
 
 __all__ = ["emulate_verify"]
 
@@ -88,26 +87,28 @@ def emulate_verify(
         if record_block is None
         else record_variant(full_logits.dtype, record_block)
     )
-    records = torch.cat(
+    with_topk = chk.top_k is not None
+    gathered = torch.cat(
         [
-            sampled_records(
-                s.local_logits,
-                s.vocab_start,
-                s.num_valid,
+            local_buffer(
+                sh.local_logits,
+                sh.vocab_start,
+                sh.num_valid,
                 params,
                 variant,
                 use_fp64_gumbel,
-                splits=record_splits,
+                record_splits,
+                with_topk,
             )
-            for s in shards
+            for sh in shards
         ],
         dim=0,
     )
-    parts = tp_size * record_splits
-    return sampled_finish(
-        records,
-        parts,
-        finish_variant("sampled", parts, "allgather"),
+    return finish_gathered(
+        gathered,
+        tp_size,
+        record_splits,
+        with_topk,
         chk.vocab,
         draft_sampled,
         cu_num_logits,
