@@ -351,7 +351,9 @@ def summary_markdown(local_rows: list[dict[str, Any]], step_rows: list[dict[str,
         parts += [f"- **{t['target']}**: {t['short']}" for t in short]
         parts.append("")
     bad = [r for r in local if not r["correct"]] + [
-        r for r in step if not (r["argmax_correct"] and r["verify_correct"])
+        r
+        for r in step
+        if not (r["argmax_correct"] and r["verify_correct"] and r["sampled_correct"])
     ]
     if bad:
         parts += ["**Correctness mismatches were recorded** (`correct=0` rows in the CSVs).", ""]

@@ -199,7 +199,10 @@ def record_splits(rows: int, width: int, block: int, device: torch.device) -> in
 
     On a GPU: about :data:`shardmax.dispatch.TARGET_PROGRAMS` programs in all, at most
     :data:`MAX_RECORD_SPLITS`, and at least two tiles of ``block`` columns per split; 1 on CPU
-    (the interpreter gains nothing from more programs). The outputs do not depend on it.
+    (the interpreter gains nothing from more programs). Tokens and counts of requests that are
+    not flagged do not depend on it; which rows the interval test flags can (each split sums its
+    exponentials in fp32, so the LSE moves in its last bits with S; a request at the margin may
+    be flagged for one S and not another).
     """
     if device.type != "cuda" or rows <= 0:
         return 1

@@ -308,3 +308,21 @@ def test_smoke_run_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert all(0.0 <= r["flag_rate"] <= 1.0 for r in sampled)
     assert {r["wire_bytes_per_rank"] for r in sampled if r["path"] == "sharded_fast"} == {24 * 4}
     assert "## Sampled verification step" in (tmp_path / "SUMMARY.md").read_text()
+
+
+def test_report_flags_sampled_mismatch(tmp_path: Path) -> None:
+    """A sampled-step row that failed its correctness check is called out in SUMMARY.md."""
+    rows = _step_rows({"fp32": 10.0, "bf16": 10.0})
+    base = {"dtype": "bf16", "vocab": 200064, "tp": 2, "width": 100032, "rows": 96}
+    rows.append({**base, "op": "sampled", "path": "sharded_fast", "dispatched": True,
+                 "p50_us": 50.0, "flag_rate": 0.0, "correct": False})  # fmt: skip
+    rows.append({**base, "op": "sampled", "path": "plain", "p50_us": 90.0, "correct": True})
+    _write(tmp_path / "step_tp2.csv", report.STEP_FIELDS, rows)
+    md = report.summary_markdown([], report.read_csv(tmp_path / "step_tp2.csv"))
+    assert "Correctness mismatches were recorded" in md
+    assert "## Sampled verification step" in md
+    rows[-2]["correct"] = True
+    _write(tmp_path / "ok.csv", report.STEP_FIELDS, rows)
+    assert "Correctness mismatches" not in report.summary_markdown(
+        [], report.read_csv(tmp_path / "ok.csv")
+    )

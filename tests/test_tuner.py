@@ -177,6 +177,11 @@ def test_decide_never_slower_than_builtin_default():
     ms.append(_m("b1024_w4_s2_x8_allgather", 8.0))
     win = export.decide(ms, Config.parse(inc), ceiling=Config.parse(dflt))
     assert win.cfg.name == "b1024_w4_s2_x8_allgather"
+    # the default dropped (failed re-verification): its measured median still caps the choice
+    assert export.decide(ms[:1] + ms[2:3], Config.parse(inc), ceiling=10.10) is None
+    assert export.decide(ms[:1] + ms[2:], Config.parse(inc), ceiling=10.10).cfg.name == (
+        "b1024_w4_s2_x8_allgather"
+    )
     # the ceiling not measured (e.g. failed to run): plain hysteresis
     assert (
         export.decide(ms[:1] + ms[2:3], Config.parse(inc), ceiling=Config.parse(dflt)).cfg.name
@@ -281,6 +286,14 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch, capsys):
     sel = dispatch.select(Problem("argmax", "bf16", 1, 3, 3008, 16, arch="sm90"))
     assert sel.source == f"{path}#0" and sel.is_tuned is False
     assert sel.variant == row["variant"]
+
+
+def test_budget_must_be_positive(tmp_path, capsys):
+    argv = ["--op", "argmax", "--tp", "1", "--rows", "4", "--no-progress", "--no-plot"]
+    argv += ["--studies-dir", str(tmp_path / "s"), "--out", str(tmp_path / "o")]
+    for bad in ("0", "-1", "nan"):
+        assert tuner_main([*argv, "--budget-s", bad]) == 2
+        assert "--budget-s must be > 0" in capsys.readouterr().err
 
 
 def test_budget_skips_buckets_not_started(tmp_path, capsys):

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.budget_s is not None and not args.budget_s > 0:
+        print(f"error: --budget-s must be > 0 seconds, got {args.budget_s}", file=sys.stderr)
+        return 2
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -184,7 +187,7 @@ def _sweep(
     quick_space = args.space == "quick" if args.space else (args.quick or not on_gpu)
     import time
 
-    deadline = time.monotonic() + args.budget_s if args.budget_s else None
+    deadline = time.monotonic() + args.budget_s if args.budget_s is not None else None
     skipped: list[str] = []
     n_trials = args.n_trials if args.n_trials is not None else (None if on_gpu else 3)
     rounds = args.rounds or (5 if on_gpu else 2)
@@ -197,6 +200,7 @@ def _sweep(
         metric=metric,
         quick=args.quick or not on_gpu,
         storage=storage_desc,
+        space="quick" if quick_space else "full",
     )
     for op in ops:
         bs = buckets(

@@ -99,16 +99,22 @@ def _threshold(a: Measured, b: Measured) -> float:
 
 
 def decide(
-    measured: list[Measured], protected: Config | None, ceiling: Config | None = None
-) -> Measured:
-    """Winner under hysteresis (see the module docstring).
+    measured: list[Measured], protected: Config | None, ceiling: Config | float | None = None
+) -> Measured | None:
+    """Winner under hysteresis (see the module docstring), or None if nothing is eligible.
 
-    ``ceiling``: the built-in default; when it is among ``measured``, candidates with a larger
-    median are not eligible (the default itself always is).
+    ``ceiling``: the built-in default (a config among ``measured``) or its measured median in
+    microseconds; candidates with a larger median are not eligible (the default itself always
+    is). A float keeps the cap when the default itself was dropped (failed re-verification).
     """
-    cap = next((m for m in measured if m.cfg == ceiling), None)
-    if cap is not None:
-        measured = [m for m in measured if m is cap or m.p50 <= cap.p50]
+    if isinstance(ceiling, Config):
+        cap = next((m for m in measured if m.cfg == ceiling), None)
+        if cap is not None:
+            measured = [m for m in measured if m is cap or m.p50 <= cap.p50]
+    elif ceiling is not None:
+        measured = [m for m in measured if m.p50 <= ceiling]
+    if not measured:
+        return None
     best = min(measured, key=lambda m: (m.p50, m.cfg.tie_key()))
     inc = next((m for m in measured if m.cfg == protected), None)
     if inc is not None and inc.p50 - best.p50 <= _threshold(inc, best):
@@ -171,8 +177,13 @@ def finalize_bucket(
     default_m = next((m for m in measured if m.cfg == default), None)
     plain_m = next((m for m in measured if m.cfg.is_plain), None)
     protected: Config | None = incumbent if incumbent is not None else default
-    while measured:
-        win = decide(measured, protected, ceiling=default)
+    # the cap is the default's median in this re-measure, kept even if the default is dropped
+    cap: Config | float | None = default_m.p50 if default_m is not None else default
+    while True:
+        win = decide(measured, protected, ceiling=cap)
+        if win is None:
+            log(f"  {bucket.slug}: no candidate at or below the default survived re-verification")
+            return None
         reason = runner.gate(win.cfg, seed + VERIFY_SEED_OFFSET, 2)
         if reason is None:
             break
@@ -180,9 +191,6 @@ def finalize_bucket(
         measured.remove(win)
         if win.cfg == protected:
             protected = None
-    else:
-        log(f"  {bucket.slug}: no candidate survived re-verification")
-        return None
     others = sorted((m for m in measured if m is not win), key=lambda m: (m.p50, m.cfg.tie_key()))
     row: dict[str, Any] = {
         "match": bucket.match,
@@ -211,7 +219,15 @@ def finalize_bucket(
 
 # ---------------------------------------------------------------------------- writing
 def provenance(
-    *, arch: str, device: Any, mode: str, metric: str, quick: bool, storage: str, note: str = ""
+    *,
+    arch: str,
+    device: Any,
+    mode: str,
+    metric: str,
+    quick: bool,
+    storage: str,
+    note: str = "",
+    space: str = "",
 ) -> dict[str, Any]:
     import torch
 
@@ -226,6 +242,7 @@ def provenance(
         "metric": metric,
         "mode": mode,
         "quick": quick,
+        **({"space": space} if space else {}),
         "studies": storage,
     }
     if device is not None and getattr(device, "type", "cpu") == "cuda":
