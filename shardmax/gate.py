@@ -36,6 +36,10 @@ no sampling mask                ``model_config.return_sampling_mask``
 Synthetic acceptance (``synthetic_conditional_rates`` set) is allowed: the sharded path
 implements it.
 
+``allow_top_k=True`` (with ``allow_temperature``) also admits top-k requests with ``k`` below
+:data:`shardmax.sampled.TOPK_CANDIDATES` (fast mode runs them sharded and flags rows at an
+unresolved top-k boundary); the vLLM plug-in does not pass it yet.
+
 ``allow_temperature=True`` is for callers that verify with :func:`shardmax.sharded_verify`
 (temperature-only rows) and re-run vLLM's native verification when any request comes back with
 ``fallback`` set; ``has_logits_processors`` must then NOT count vLLM's temperature scaling
@@ -91,6 +95,7 @@ def can_shard_verify(
     return_sampling_mask: bool = False,
     num_draft_tokens: int = 1,
     allow_temperature: bool = False,
+    allow_top_k: bool = False,
 ) -> ShardDecision:
     """Decide whether one verification step may use the sharded greedy path (spec §5).
 
@@ -116,14 +121,20 @@ def can_shard_verify(
         allow_temperature: also accept sampled requests (finite temperature ``> 0``); every other
             rule is unchanged (top-k / top-p / min-p must still be disabled). Default ``False``:
             greedy only.
+        allow_top_k: with ``allow_temperature``, also accept top-k requests whose ``k`` fits the
+            fast mode's candidates (``0 < k < shardmax.sampled.TOPK_CANDIDATES``; a top-k on a
+            greedy request is ignored, as vLLM ignores it). Larger ``k`` is refused with a reason.
 
     Returns:
         :class:`ShardDecision`; e.g. ``ShardDecision(False, "temperature[3]=0.7 != 0
         (non-greedy request)")``.
 
     Raises:
-        Nothing for well-typed input: every failing rule is reported in the decision.
+        ValueError: ``allow_top_k`` without ``allow_temperature``. Otherwise nothing for
+        well-typed input: every failing rule is reported in the decision.
     """
+    if allow_top_k and not allow_temperature:
+        raise ValueError("allow_top_k=True needs allow_temperature=True (top-k rows are sampled)")
     for i, t in enumerate(temperatures):
         if t == 0.0:
             continue
@@ -132,9 +143,18 @@ def can_shard_verify(
         if not (t > 0.0 and math.isfinite(t)):  # NaN, inf, negative
             return _no(f"temperature[{i}]={t} is not a finite value >= 0")
     if top_k is not None:
+        from shardmax.sampled import TOPK_CANDIDATES
+
         for i, k in enumerate(top_k):
             if k > 0 and (vocab_size is None or k != vocab_size):
-                return _no(f"top_k[{i}]={k} != vocab_size={vocab_size} (top-k active)")
+                if not allow_top_k:
+                    return _no(f"top_k[{i}]={k} != vocab_size={vocab_size} (top-k active)")
+                greedy = i < len(temperatures) and temperatures[i] == 0.0
+                if not greedy and k >= TOPK_CANDIDATES:
+                    return _no(
+                        f"top_k[{i}]={k} >= {TOPK_CANDIDATES} (more than the fast mode's "
+                        "top-k candidates)"
+                    )
     if top_p is not None:
         for i, p in enumerate(top_p):
             if p != 1.0:

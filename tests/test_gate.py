@@ -146,3 +146,29 @@ def test_allow_temperature_keeps_other_rules(kwargs, reason):
     d = can_shard_verify(allow_temperature=True, **kwargs)
     assert not d
     assert d.reason == reason
+
+
+def test_allow_top_k_admits_candidates_sized_k():
+    from shardmax.sampled import TOPK_CANDIDATES
+
+    temps = [0.0, 0.7, 1.0]
+    ks = [5000, 20, TOPK_CANDIDATES - 1]  # a top-k on a greedy request is ignored
+    assert not can_shard_verify(temperatures=temps, top_k=ks, vocab_size=32000,
+                                allow_temperature=True)  # fmt: skip
+    assert can_shard_verify(
+        temperatures=temps, top_k=ks, vocab_size=32000, allow_temperature=True, allow_top_k=True
+    )
+    d = can_shard_verify(
+        temperatures=[0.7], top_k=[TOPK_CANDIDATES], vocab_size=32000, allow_temperature=True,
+        allow_top_k=True,
+    )  # fmt: skip
+    assert not d and d.reason == (
+        f"top_k[0]={TOPK_CANDIDATES} >= {TOPK_CANDIDATES} (more than the fast mode's top-k "
+        "candidates)"
+    )
+    # top-p / min-p still refused
+    d = can_shard_verify(temperatures=[0.7], top_k=[20], top_p=[0.9], vocab_size=32000,
+                         allow_temperature=True, allow_top_k=True)  # fmt: skip
+    assert not d and "top-p active" in str(d.reason)
+    with pytest.raises(ValueError, match="allow_top_k"):
+        can_shard_verify(temperatures=[0.7], allow_top_k=True)
