@@ -326,3 +326,29 @@ def test_report_flags_sampled_mismatch(tmp_path: Path) -> None:
     assert "Correctness mismatches" not in report.summary_markdown(
         [], report.read_csv(tmp_path / "ok.csv")
     )
+
+
+def test_nucleus_study_smoke(tmp_path: Path) -> None:
+    """The top-p pass-rate study end to end on a small vocabulary (CPU, plain torch)."""
+    from benchmarks import nucleus_study as ns
+
+    row = ns.zipf_row(4096, 1.5, torch.Generator().manual_seed(0))
+    lp = torch.log_softmax(row.double(), 0)
+    assert abs(float(-(lp.exp() * lp).sum()) - 1.5) < 1e-3  # the entropy it was solved for
+    assert math.isclose(sum(ns.entropy_weights().values()), 1.0)
+    cells = ns.run(vocab=2048, tp=2, rows=1)
+    n = len(ns.ENTROPIES) * len(ns.TEMPS) * len(ns.TOP_PS) * len(ns.CS) * len(ns.PIPELINES)
+    assert len(cells) == n and all(0.0 <= c["pass_rate"] <= 1.0 for c in cells)
+    # the sharpest rows always pass, the most diffuse at p=0.99/T=1 never fit 16 candidates
+    assert all(c["pass_rate"] == 1.0 for c in cells if c["entropy_target"] == 0.01)
+    assert all(
+        c["pass_rate"] == 0.0
+        for c in cells
+        if c["entropy_target"] == 5.0 and c["top_p"] == 0.99 and c["temperature"] == 1.0
+        and c["c"] == 16
+    )  # fmt: skip
+    assert ns.recommend_c(cells) in ns.CS
+    paths = ns.write(cells, tmp_path)
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths.values())
+    assert "Recommended default C" in paths["md"].read_text()
+    assert ns.read_cells(paths["csv"]) == cells  # --from-csv re-renders the same numbers
