@@ -152,11 +152,17 @@ def exact_nucleus_keep(
         bool ``[B, V]`` keep mask (min-p, top-k and top-p together).
 
     Raises:
-        ValueError: shapes or dtypes, NaN in a row (outside the contract: guarded to fallback).
+        ValueError: shapes or dtypes, NaN in a row with an active rule (outside the contract:
+            guarded to fallback).
     """
     _check_rows("x", x)
-    if bool(torch.isnan(x).any()):
-        raise ValueError("x: NaN in a row (outside the exact nucleus' contract; guard -> NAN)")
+    active = top_p.to(torch.float64) < 1.0
+    if top_k is not None:
+        active |= (top_k > 0) & (top_k < x.shape[1])
+    if min_p is not None:
+        active |= min_p > 0
+    if bool(torch.isnan(x[active]).any()):
+        raise ValueError("x: NaN in an active row (outside the exact nucleus' contract: NAN)")
     keep = torch.ones_like(x, dtype=torch.bool)
     if min_p is not None:
         keep &= min_p_keep(x, min_p)

@@ -381,6 +381,8 @@ def rejection_sample_sampled(
     top_k: torch.Tensor | None = None,
     synthetic_conditional_rates: torch.Tensor | None = None,
     use_fp64_gumbel: bool = False,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM ``rejection_sample`` for a batch of greedy and non-greedy requests, one-hot drafts.
 
@@ -431,6 +433,10 @@ def rejection_sample_sampled(
         synthetic_conditional_rates: optional fp32 ``[K]`` conditional rates (synthetic mode, for
             greedy and non-greedy rows alike).
         use_fp64_gumbel: vLLM's ``use_fp64_gumbel``.
+        top_p, min_p: optional float ``[max_num_reqs]`` per slot (``p >= 1`` / ``min_p <= 0``:
+            off). With either, the processed row is masked by
+            :func:`shardmax.reference_nucleus.exact_nucleus_keep` (min-p, then top-k, then the
+            EXACT nucleus -- not vLLM's approximate top-p search, research §1.5).
 
     Returns:
         ``(sampled int64 [num_reqs, K + 1], num_sampled int32 [num_reqs])`` on the logits device.
@@ -477,7 +483,26 @@ def rejection_sample_sampled(
     counts = torch.tensor([cu[r + 1] - cu[r] for r in range(num_reqs)], dtype=torch.int64)
     row_slot = torch.repeat_interleave(slots, counts)
     x = apply_temperature(target_logits, temperature, idx_mapping, row_slot).cpu()
-    if top_k is not None:
+    if top_p is not None or min_p is not None:
+        from shardmax.reference_nucleus import exact_nucleus_keep
+
+        row_greedy = torch.repeat_interleave(t_req == 0, counts)
+        k_row = torch.zeros(x.shape[0], dtype=torch.int64)
+        if top_k is not None:
+            k_row = _per_slot("top_k", top_k, row_slot).to(torch.int64)
+        p_row = torch.ones(x.shape[0], dtype=torch.float64)
+        if top_p is not None:
+            p_row = _per_slot("top_p", top_p.to(torch.float64), row_slot)
+        m_row = torch.zeros(x.shape[0], dtype=torch.float32)
+        if min_p is not None:
+            m_row = _per_slot("min_p", min_p.to(torch.float32), row_slot)
+        # greedy rows: untouched
+        k_row = torch.where(row_greedy, torch.zeros_like(k_row), k_row)
+        p_row = torch.where(row_greedy, torch.ones_like(p_row), p_row)
+        m_row = torch.where(row_greedy, torch.zeros_like(m_row), m_row)
+        keep = exact_nucleus_keep(x, p_row, k_row, m_row)
+        x = torch.where(keep, x, torch.full_like(x, -math.inf))
+    elif top_k is not None:
         k_row = _per_slot("top_k", top_k, row_slot).to(torch.int64)
         row_greedy = torch.repeat_interleave(t_req == 0, counts)
         k_row = torch.where(row_greedy, torch.zeros_like(k_row), k_row)  # greedy rows: untouched
@@ -561,6 +586,8 @@ def verify_sampled(
     use_fp64_gumbel: bool = False,
     seq_lens: torch.Tensor | None = None,
     prefill_len: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`rejection_sample_sampled` + ``get_num_sampled_and_rejected`` (spec §1.1 steps 5-6).
 
@@ -595,6 +622,8 @@ def verify_sampled(
         top_k=top_k,
         synthetic_conditional_rates=synthetic_conditional_rates,
         use_fp64_gumbel=use_fp64_gumbel,
+        top_p=top_p,
+        min_p=min_p,
     )
     if seq_lens is None or prefill_len is None:
         cu = cu_num_logits.to(device=num_sampled.device, dtype=torch.int64)

@@ -83,6 +83,8 @@ class _Checked(NamedTuple):
     vocab: int
     temperature: torch.Tensor  # fp32 [max_num_reqs]
     top_k: torch.Tensor | None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
 
 
 def validate_sampled_inputs(
@@ -104,6 +106,8 @@ def validate_sampled_inputs(
     use_fp64_gumbel: bool,
     mode: str,
     coll: Collective,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> _Checked:
     """Every check of :func:`sharded_verify` (those of the greedy op + sampling state)."""
     if mode == "strict":
@@ -144,12 +148,25 @@ def validate_sampled_inputs(
         raise ValueError(f"temperature: on {temperature.device}, expected {dev}")
     if top_k is not None:
         top_k = check_index_tensor("top_k", top_k, dev)
+    probs: dict[str, torch.Tensor] = {}
+    for name, t in (("top_p", top_p), ("min_p", min_p)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"{name}: expected a float tensor, got {t.dtype}")
+        if t.dim() != 1 or t.device != dev:
+            raise ValueError(
+                f"{name}: expected a 1-D tensor on {dev}, got shape {tuple(t.shape)} on {t.device}"
+            )
+        probs[name] = t
     geometry = check_geometry(coll, logits, vocab_start, num_valid)
     vocab = max(s + n for s, n in geometry)
     temp32 = temperature.to(torch.float32).contiguous()
     if value_checks_enabled(dev) and idx_mapping.numel():
         hi = int(idx_mapping.max())
-        for name, t in (("temperature", temp32), ("top_k", top_k)):
+        for name, t in (("temperature", temp32), ("top_k", top_k), *probs.items()):
             if t is not None and hi >= t.shape[0]:
                 raise ValueError(
                     f"{name}: has {t.shape[0]} slots but idx_mapping refers to slot {hi}"
@@ -159,7 +176,25 @@ def validate_sampled_inputs(
             raise ValueError(
                 f"temperature: must be >= 0 and not NaN on used slots, got {used.tolist()}"
             )
-    return _Checked(logits, vocab_start, num_valid, vocab, temp32, top_k)
+        slots = idx_mapping.long()
+        if "top_p" in probs:
+            tp_used = probs["top_p"][slots].double()
+            if bool(((tp_used <= 0) | (tp_used > 1) | torch.isnan(tp_used)).any()):
+                raise ValueError(f"top_p: must be in (0, 1] on used slots, got {tp_used.tolist()}")
+        if "min_p" in probs:
+            mp_used = probs["min_p"][slots].double()
+            if bool(((mp_used < 0) | (mp_used > 1) | torch.isnan(mp_used)).any()):
+                raise ValueError(f"min_p: must be in [0, 1] on used slots, got {mp_used.tolist()}")
+    return _Checked(
+        logits,
+        vocab_start,
+        num_valid,
+        vocab,
+        temp32,
+        top_k,
+        probs["top_p"].to(torch.float64).contiguous() if "top_p" in probs else None,
+        probs["min_p"].to(torch.float32).contiguous() if "min_p" in probs else None,
+    )
 
 
 def row_params(
@@ -322,6 +357,8 @@ def finish_gathered(
     seq_lens: torch.Tensor | None,
     prefill_len: torch.Tensor | None,
     use_fp64_gumbel: bool,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Every rank: ``[tp, n]`` gathered buffers -> :class:`VerifyResult`. On a top-k step the
     ranks' candidates are merged first (``torch.topk`` over ``tp * C`` keys: the exact global
@@ -330,6 +367,8 @@ def finish_gathered(
     gathered = gathered.contiguous()
     n = gathered.shape[1]
     cand: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+    unsafe: torch.Tensor | None = None
     if with_topk:
         c = TOPK_CANDIDATES
         words = record_words(use_fp64_gumbel) + 1
@@ -338,6 +377,13 @@ def finish_gathered(
         if tp > 1:
             cand = torch.topk(cand, c, dim=1, largest=True, sorted=True).values
         cand = cand.contiguous()
+        if top_k is None:  # candidates for top-p / min-p only: top-k off everywhere
+            top_k = torch.zeros(temperature.shape[0], dtype=torch.int32, device=cand.device)
+        if top_p is not None or min_p is not None:
+            keep, unsafe = _nucleus_inputs(
+                cand, per_rank, gathered, tp * splits, rows, words, use_fp64_gumbel,
+                cu_num_logits, idx_mapping, temperature, top_k, top_p, min_p,
+            )  # fmt: skip
     parts = tp * splits  # rank-major, then split-major: N records per row
     return sampled_finish(
         gathered,
@@ -359,7 +405,54 @@ def finish_gathered(
         splits=splits,
         rank_words=n,
         candidates=cand,
+        keep=keep,
+        unsafe=unsafe,
     )
+
+
+def _nucleus_inputs(
+    cand: torch.Tensor,
+    per_rank: torch.Tensor,
+    gathered: torch.Tensor,
+    parts: int,
+    rows: int,
+    words: int,
+    use_fp64_gumbel: bool,
+    cu_num_logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row kept counts and guard of top-p / min-p rows (:func:`shardmax.nucleus.nucleus_rows`)
+    from the gathered bytes; per-slot sampling state gathered to rows on the device."""
+    from shardmax.nucleus import nucleus_rows
+
+    dev = cand.device
+    tp = gathered.shape[0]
+    recs = gathered[:, : (parts // tp) * rows * words].reshape(parts, rows, words)
+    cu = cu_num_logits.to(torch.int64)
+    ar = torch.arange(rows, device=dev, dtype=torch.int64)
+    req = torch.searchsorted(cu[1:].contiguous(), ar, right=True)
+    req = req.clamp_(max=max(idx_mapping.shape[0] - 1, 0))
+    slot = idx_mapping.to(torch.int64)[req]
+    ones = torch.ones(temperature.shape[0], dtype=torch.float64, device=dev)
+    zeros = torch.zeros(temperature.shape[0], dtype=torch.float32, device=dev)
+    ms = 2 if use_fp64_gumbel else 1
+    keep, unsafe = nucleus_rows(
+        cand,
+        per_rank[:, :, -1].max(dim=0).values,
+        recs,
+        ms,
+        ms + 2,
+        temperature[slot],
+        top_k.to(torch.int64)[slot],
+        (top_p if top_p is not None else ones)[slot],
+        (min_p if min_p is not None else zeros)[slot],
+        rows,
+    )
+    return keep.contiguous(), unsafe.to(torch.int8).contiguous()
 
 
 def sampled_finish(
@@ -383,6 +476,8 @@ def sampled_finish(
     splits: int = 1,
     rank_words: int | None = None,
     candidates: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+    unsafe: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Finish: gathered records -> :class:`VerifyResult` (one program per request).
 
@@ -411,6 +506,8 @@ def sampled_finish(
     mod.kernel[(num_reqs,)](
         records,
         candidates if candidates is not None else records,
+        keep if keep is not None else dummy_i32,
+        unsafe if unsafe is not None else dummy_i32,
         draft_sampled,
         cu_num_logits,
         pos,
@@ -438,6 +535,7 @@ def sampled_finish(
         HAS_PREFILL=has_prefill,
         HAS_TOPK=top_k is not None,
         CAND=TOPK_CANDIDATES,
+        HAS_KEEP=keep is not None,
         num_warps=1,
     )
     return VerifyResult(sampled, num_sampled, num_rejected, fallback.bool())
@@ -472,6 +570,8 @@ def sharded_verify(
     use_fp64_gumbel: bool = False,
     mode: str = "fast",
     group: Any = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Speculative verification of greedy and sampled requests from vocab shards.
 
@@ -505,6 +605,15 @@ def sharded_verify(
         use_fp64_gumbel: vLLM's ``use_fp64_gumbel`` (fp64 Gumbel keys).
         mode: ``"fast"`` (compact records + fallback flags); ``"strict"`` raises
             NotImplementedError.
+        top_p: optional float ``[max_num_reqs]`` per slot in ``(0, 1]`` (1 = off).
+        min_p: optional float ``[max_num_reqs]`` per slot in ``[0, 1]`` (0 = off). With either,
+            a request's rows keep min-p survivors, then its top-k, then the EXACT nucleus
+            (:func:`shardmax.reference_nucleus.exact_nucleus_keep`; vLLM's own top-p search is
+            approximate and batch-dependent, research §1.5) from the merged top-64 candidates
+            (:mod:`shardmax.nucleus`); rows the guard cannot decide -- nucleus beyond the
+            candidates, mass within rounding of ``p``, a tie at the boundary, a gap below vLLM's
+            search resolution, min-p survivors beyond the candidates or at the threshold, min-p
+            leaving ``<= k`` survivors for an active top-k -- set ``fallback``.
 
     Returns:
         :class:`VerifyResult` ``(sampled int64 [num_reqs, K+1], num_sampled int32,
@@ -535,6 +644,8 @@ def sharded_verify(
         use_fp64_gumbel,
         mode,
         coll,
+        top_p,
+        min_p,
     )
     logits = chk.logits
     k = num_speculative_steps
@@ -543,7 +654,7 @@ def sharded_verify(
     params = row_params(draft_sampled, cu_num_logits, pos, idx_mapping, chk.temperature, seed)
     # from the padded shard width, not num_valid: every rank must pick the same S
     splits = record_splits(logits.shape[0], logits.shape[1], DEFAULT_RECORD_BLOCK, logits.device)
-    with_topk = chk.top_k is not None
+    with_topk = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
     buf = local_buffer(
         logits,
         chk.vocab_start,
@@ -572,4 +683,6 @@ def sharded_verify(
         seq_lens,
         prefill_len,
         use_fp64_gumbel,
+        chk.top_p,
+        chk.min_p,
     )

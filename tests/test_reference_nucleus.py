@@ -174,3 +174,41 @@ def test_min_p_coverage_and_margin() -> None:
     row[order[3]] = thr  # exactly on the threshold
     d, _ = _guard_row(row, 2, 64, 1.0, 8, min_p=0.1)
     assert d.reason == GuardReason.MIN_P_MARGIN
+
+
+def _pack_pair(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    h = hi.to(torch.float32).view(torch.int32).to(torch.int64)
+    lw = lo.to(torch.float32).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return (h << 32) | lw
+
+
+@pytest.mark.parametrize("rows_in_step", [8, 100])
+def test_sharded_nucleus_rows_keep_the_exact_nucleus(rows_in_step: int) -> None:
+    """``shardmax.nucleus.nucleus_rows`` (the vectorised guard the sharded finish uses): on every
+    row it calls safe, the kept count is the exact nucleus size (after min-p and top-k)."""
+    from shardmax.keys import pack_keys
+    from shardmax.nucleus import nucleus_rows
+
+    c, vocab = 64, 3000
+    x = _zipf_rows(40, vocab, [0.8, 1.1, 1.5, 2.0, 3.0], seed=rows_in_step)
+    n = x.shape[0]
+    gen = torch.Generator().manual_seed(1)
+    top_p = torch.tensor([0.8, 0.9, 0.95, 0.99, 1.0])[torch.randint(0, 5, (n,), generator=gen)]
+    min_p = torch.tensor([0.0, 0.0, 0.02])[torch.randint(0, 3, (n,), generator=gen)]
+    top_k = torch.tensor([0, 0, 20])[torch.randint(0, 3, (n,), generator=gen)]
+    top_p[(top_p >= 1) & (min_p == 0)] = 0.9  # every row has a rule
+    keys = pack_keys(x, torch.arange(vocab).expand(n, vocab))
+    merged = torch.topk(keys, c, dim=1).values
+    m = x.max(dim=1).values
+    s = torch.exp(x - m[:, None]).sum(dim=1)
+    words = torch.zeros(1, n, 4, dtype=torch.int64)  # one part: key, (m, s), (xd, flag), min
+    words[0, :, 1] = _pack_pair(m, s)
+    words[0, :, 3] = _pack_pair(x.min(dim=1).values, torch.zeros(n))
+    keep, unsafe = nucleus_rows(
+        merged, merged[:, -1], words, 1, 3, torch.ones(n), top_k, top_p.double(), min_p,
+        rows_in_step,
+    )  # fmt: skip
+    want = exact_nucleus_keep(x, top_p, top_k, min_p).sum(dim=1)
+    safe = ~unsafe
+    assert int(safe.sum()) >= n // 3
+    assert torch.equal(keep[safe].to(torch.int64), want[safe]), (keep[safe], want[safe])

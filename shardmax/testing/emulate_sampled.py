@@ -45,6 +45,8 @@ def emulate_verify(
     record_block: int | None = None,
     pad_to: int | None = None,
     record_splits: int = 1,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> VerifyResult:
     """``sharded_verify`` of ``tp_size`` emulated ranks over ``full_logits [num_logits, V]``.
 
@@ -74,6 +76,8 @@ def emulate_verify(
         use_fp64_gumbel,
         mode,
         SingleRank(),
+        top_p,
+        min_p,
     )
     k = num_speculative_steps
     if idx_mapping.shape[0] == 0:
@@ -87,7 +91,7 @@ def emulate_verify(
         if record_block is None
         else record_variant(full_logits.dtype, record_block)
     )
-    with_topk = chk.top_k is not None
+    with_topk = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
     gathered = torch.cat(
         [
             local_buffer(
@@ -122,4 +126,6 @@ def emulate_verify(
         seq_lens,
         prefill_len,
         use_fp64_gumbel,
+        chk.top_p,
+        chk.min_p,
     )
