@@ -165,7 +165,7 @@ def step_view(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for dtype, n in keys:
         m = {"dtype": dtype, "rows": n}
         rec: dict[str, Any] = {"dtype": dtype, "rows": n}
-        for op in ("argmax", "verify", "sampled"):
+        for op in ("argmax", "verify", "sampled", "sampled_nucleus"):
             shard = [
                 r for r in rows if r.get("op") == op and str(r.get("path", "")).startswith(
                     "sharded") and r["dtype"] == dtype and r["rows"] == n and _ok(r)
@@ -184,10 +184,11 @@ def step_view(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rec[f"{op}_correct"] = all(bool(r.get("correct")) for r in shard)
             rec[f"{op}_wire"] = disp.get("wire_bytes_per_rank") if disp else None
             rec[f"{op}_plain_wire"] = plain.get("wire_bytes_per_rank") if plain else None
-        fr = next((r.get("flag_rate") for r in rows if r.get("op") == "sampled"
-                   and r.get("path") == "sharded_fast" and r["dtype"] == dtype
-                   and r["rows"] == n), None)  # fmt: skip
-        rec["sampled_flag_rate"] = fr if isinstance(fr, (int, float)) else float("nan")
+        for op in ("sampled", "sampled_nucleus"):
+            fr = next((r.get("flag_rate") for r in rows if r.get("op") == op
+                       and r.get("path") == "sharded_fast" and r["dtype"] == dtype
+                       and r["rows"] == n), None)  # fmt: skip
+            rec[f"{op}_flag_rate"] = fr if isinstance(fr, (int, float)) else float("nan")
         vllm = _pick(rows, op="argmax", path="vllm_unfused", **m)
         rec["vllm_us"] = _p50(vllm)
         rec["speedup_vs_vllm"] = ratio(rec["vllm_us"], rec["argmax_sharded_us"])
@@ -353,7 +354,12 @@ def summary_markdown(local_rows: list[dict[str, Any]], step_rows: list[dict[str,
     bad = [r for r in local if not r["correct"]] + [
         r
         for r in step
-        if not (r["argmax_correct"] and r["verify_correct"] and r["sampled_correct"])
+        if not (
+            r["argmax_correct"]
+            and r["verify_correct"]
+            and r["sampled_correct"]
+            and r["sampled_nucleus_correct"]
+        )
     ]
     if bad:
         parts += ["**Correctness mismatches were recorded** (`correct=0` rows in the CSVs).", ""]
@@ -413,15 +419,20 @@ def summary_markdown(local_rows: list[dict[str, Any]], step_rows: list[dict[str,
             "row and rank, then the finish kernel. Plain = all_gather of the full padded logits, "
             "then the same kernels on the full logits. Flagged = fraction of requests returned "
             "with `fallback` (the caller re-verifies them natively); on these random-normal "
-            "logits, not a prediction for real traffic. Greedy verification of the same batch "
+            "logits, not a prediction for real traffic. +top-k/top-p = the same with top-k 20 and "
+            "top-p 0.95 on every request (each rank's top-64 candidate keys ride the all_gather; "
+            "exact nucleus where the guard passes). Greedy verification of the same batch "
             "alongside.",
             "",
             _table(
                 ["dtype", "rows", "sampled sharded us", "sampled plain us", "x plain",
-                 "flagged", "greedy verify x plain", "wire sharded B", "wire plain B"],
+                 "flagged", "+top-k/top-p sharded us", "plain us", "x plain", "flagged",
+                 "greedy verify x plain", "wire sharded B", "wire plain B"],
                 [[r["dtype"], str(r["rows"]), _f(r["sampled_sharded_us"]),
                   _f(r["sampled_plain_us"]), _f(r["sampled_speedup"]),
-                  _f(r["sampled_flag_rate"], 3), _f(r["verify_speedup"]),
+                  _f(r["sampled_flag_rate"], 3), _f(r["sampled_nucleus_sharded_us"]),
+                  _f(r["sampled_nucleus_plain_us"]), _f(r["sampled_nucleus_speedup"]),
+                  _f(r["sampled_nucleus_flag_rate"], 3), _f(r["verify_speedup"]),
                   str(r["sampled_wire"] or ""), str(r["sampled_plain_wire"] or "")]
                  for r in sampled],
             ),

@@ -29,6 +29,9 @@ Every rank holds its vLLM shard ``[rows, W]`` of the same seeded full logits ``[
 ``sampled/plain``
     all_gather of the full padded logits, then the same sampled kernels on the full logits
     (one rank's records + finish): the unsharded step with the same arithmetic.
+``sampled_nucleus/sharded_fast``, ``sampled_nucleus/plain``
+    the same with top-k 20 and top-p 0.95 on every request (candidates path: each rank's top-64
+    keys ride the all_gather; exact nucleus where the guard passes).
 
 Every path is checked against the reference on the full logits before it is timed; timing is
 CUDA-graph replay (fixed counts on every rank, warm-up before capture, barrier before every
@@ -57,6 +60,8 @@ K = 3
 KEY_BYTES = 8
 SAMPLED_RECORD_BYTES = 24
 SAMPLED_TEMPERATURE = 1.0
+NUCLEUS_TOP_K = 20
+NUCLEUS_TOP_P = 0.95
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,9 @@ def wire_bytes_per_rank(
     ``vllm_unfused``: ``8 * rows`` (an fp32 (value, id) pair per row);
     ``floor_allreduce_int64``: ``8 * rows``;
     ``sharded_fast`` (sampled verification): ``24 * splits * rows`` (one fp32-Gumbel record per
-    row and record split, :func:`shardmax.sampled.record_splits`).
+    row and record split, :func:`shardmax.sampled.record_splits`);
+    ``sharded_nucleus`` (+ top-k / top-p): ``32 * splits * rows + 8 * 64 * rows`` (the record
+    gains the split's smallest finite value; the rank's top-64 candidate keys per row).
     """
     if rows < 0 or splits < 1:
         raise ValueError(f"rows={rows}, splits={splits}")
@@ -91,6 +98,10 @@ def wire_bytes_per_rank(
         return 8 * rows
     if path == "sharded_fast":
         return SAMPLED_RECORD_BYTES * splits * rows
+    if path == "sharded_nucleus":
+        from shardmax.sampled import TOPK_CANDIDATES
+
+        return (SAMPLED_RECORD_BYTES + 8) * splits * rows + 8 * TOPK_CANDIDATES * rows
     raise ValueError(f"unknown path {path!r}")
 
 
@@ -365,6 +376,12 @@ class _StepBench:
             (batch.seed.shape[0],), SAMPLED_TEMPERATURE, dtype=torch.float32, device=dev
         )
         want_s = verify_sampled(full, *vargs[:5], temps, *vargs[5:], **vkw)
+        slots_n = batch.seed.shape[0]
+        nucleus_kw = {
+            "top_k": torch.full((slots_n,), NUCLEUS_TOP_K, dtype=torch.int32, device=dev),
+            "top_p": torch.full((slots_n,), NUCLEUS_TOP_P, dtype=torch.float32, device=dev),
+        }
+        want_n = verify_sampled(full, *vargs[:5], temps, *vargs[5:], **vkw, **nucleus_kw)
         del full
 
         base = {"dtype": dtype_name, "vocab": plan.vocab, "tp": tp, "width": width,
@@ -453,46 +470,47 @@ class _StepBench:
                     "wire_bytes_per_rank": wire_plain})  # fmt: skip
 
         # ---- sampled verification (temperature 1.0 everywhere), fast mode vs gather + same
+        # kernels; "sampled" = temperature only, "sampled_nucleus" = + top-k 20 and top-p 0.95
         flagged: list[float] = []
+        sampled_splits = record_splits(rows, width, DEFAULT_RECORD_BLOCK, dev)
+        for op, extra, want_x in (("sampled", {}, want_s), ("sampled_nucleus", nucleus_kw, want_n)):
 
-        def same_sampled(got: Any) -> bool:
-            keep = ~got.fallback
-            flagged.append(float(got.fallback.float().mean()))
-            return all(
-                torch.equal(a[keep].cpu(), b[keep].cpu())
-                for a, b in zip(got[:3], want_s, strict=True)
+            def same_sampled(got: Any, want_x: Any = want_x) -> bool:
+                keep = ~got.fallback
+                flagged.append(float(got.fallback.float().mean()))
+                return all(
+                    torch.equal(a[keep].cpu(), b[keep].cpu())
+                    for a, b in zip(got[:3], want_x, strict=True)
+                )
+
+            def sampled_sharded(i: int, extra: Any = extra) -> Any:
+                return shardmax.sharded_verify(
+                    xs[i], *vargs[:5], temps, *vargs[5:], vocab_start=vs, num_valid=nv,
+                    group=self.pg, mode="fast", **vkw, **extra,
+                )  # fmt: skip
+
+            def sampled_plain(i: int, extra: Any = extra) -> Any:
+                return shardmax.sharded_verify(
+                    plain_full(xs[i]), *vargs[:5], temps, *vargs[5:], vocab_start=0,
+                    mode="fast", **vkw, **extra,
+                )  # fmt: skip
+
+            wire_s = wire_bytes_per_rank(
+                "sharded_fast" if not extra else "sharded_nucleus", rows, splits=sampled_splits
             )
-
-        def sampled_sharded(i: int) -> Any:
-            return shardmax.sharded_verify(
-                xs[i], *vargs[:5], temps, *vargs[5:], vocab_start=vs, num_valid=nv,
-                group=self.pg, mode="fast", **vkw,
-            )  # fmt: skip
-
-        def sampled_plain(i: int) -> Any:
-            return shardmax.sharded_verify(
-                plain_full(xs[i]), *vargs[:5], temps, *vargs[5:], vocab_start=0, mode="fast",
-                **vkw,
-            )  # fmt: skip
-
-        for path, fn, wire in (
-            (
-                "sharded_fast",
-                sampled_sharded,
-                wire_bytes_per_rank(
-                    "sharded_fast",
-                    rows,
-                    splits=record_splits(rows, width, DEFAULT_RECORD_BLOCK, dev),
-                ),
-            ),
-            ("plain", sampled_plain, wire_plain),
-        ):
-            flagged.clear()
-            self._path(fn, same_sampled, copies,
-                       {**base, "op": "sampled", "path": path, "transport": "allgather",
-                        "variant": f"T={SAMPLED_TEMPERATURE:g} fast", "dispatched": path != "plain",
-                        "wire_bytes_per_rank": wire},
-                       flag_rate=lambda: flagged[0] if flagged else "")  # fmt: skip
+            variant = f"T={SAMPLED_TEMPERATURE:g} fast" + (
+                f" top_k={NUCLEUS_TOP_K} top_p={NUCLEUS_TOP_P:g}" if extra else ""
+            )
+            for path, fn, wire in (
+                ("sharded_fast", sampled_sharded, wire_s),
+                ("plain", sampled_plain, wire_plain),
+            ):
+                flagged.clear()
+                self._path(fn, same_sampled, copies,
+                           {**base, "op": op, "path": path, "transport": "allgather",
+                            "variant": variant, "dispatched": path != "plain",
+                            "wire_bytes_per_rank": wire},
+                           flag_rate=lambda: flagged[0] if flagged else "")  # fmt: skip
 
         # ---- vLLM unfused get_top_tokens (spec §3.3)
         from benchmarks.local import vllm_unfused_local

@@ -301,7 +301,7 @@ def test_smoke_run_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         ("verify", "sharded_allgather"), ("verify", "sharded_allreduce"),
         ("argmax", "plain"), ("verify", "plain"), ("argmax", "vllm_unfused"),
         ("collective", "floor_allreduce_int64"), ("sampled", "sharded_fast"),
-        ("sampled", "plain"),
+        ("sampled", "plain"), ("sampled_nucleus", "sharded_fast"), ("sampled_nucleus", "plain"),
     }  # fmt: skip
     assert all(r["correct"] == 1 for r in step)
     sampled = [r for r in step if r["op"] == "sampled"]

@@ -169,8 +169,8 @@ def test_capture_after_warmup_never_compiles() -> None:
 @pytest.mark.parametrize("with_topk", [False, True])
 def test_sampled_verify_fast_mode_on_gpu(tp: int, fp64: bool, with_topk: bool) -> None:
     """Sampled verification (fast mode) on the GPU vs the reference on the GPU: every
-    non-fallback request identical, greedy requests never flagged; with top-k 1/20/50 (and
-    off) per request and 4 record splits per rank. (Temperature division:
+    non-fallback request identical, greedy requests never flagged; with top-k 1/20/50, top-p
+    0.8/0.95 and min-p 0.05 (and off) per request and 4 record splits per rank. (Temperature division:
     the kernel uses Triton's default fp32 division, as vLLM's temperature kernel does; a
     mismatch here on a sampled row points at the reference's torch division.)"""
     from shardmax.reference_sampled import verify_sampled
@@ -187,13 +187,18 @@ def test_sampled_verify_fast_mode_on_gpu(tp: int, fp64: bool, with_topk: bool) -
         a = batch.args()
         kw = dict(batch.kwargs(), use_fp64_gumbel=fp64)
         splits = 1
-        if with_topk:
+        if with_topk:  # top-k, top-p and min-p rows (candidates path), 4 record splits
+            n = batch.max_num_reqs
             ks = torch.tensor((0, 1, 20, 50))
-            kw["top_k"] = ks[torch.randint(0, 4, (batch.max_num_reqs,), generator=gen)].to(DEV)
+            kw["top_k"] = ks[torch.randint(0, 4, (n,), generator=gen)].to(DEV)
+            ps = torch.tensor((1.0, 0.8, 0.95))
+            kw["top_p"] = ps[torch.randint(0, 3, (n,), generator=gen)].to(DEV)
+            mps = torch.tensor((0.0, 0.0, 0.05))
+            kw["min_p"] = mps[torch.randint(0, 3, (n,), generator=gen)].to(DEV)
             splits = 4
         got = emulate_verify(batch.logits, tp, *a[:5], temps, *a[5:], record_splits=splits, **kw)
         want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
         ok = ~got.fallback
-        assert int(ok.sum()) >= ok.numel() // 2  # most requests run sharded
+        assert int(ok.sum()) >= ok.numel() // 3  # most requests run sharded
         for g, w in zip(got[:3], want, strict=True):
             assert torch.equal(g[ok].cpu(), w[ok].cpu())
