@@ -197,6 +197,17 @@ def validate_sampled_inputs(
     )
 
 
+def _row_request_slot(
+    cu_num_logits: torch.Tensor, idx_mapping: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``(request, slot)`` of every logits row (device ops, no host sync)."""
+    cu = cu_num_logits.to(torch.int64)
+    ar = torch.arange(rows, device=cu.device, dtype=torch.int64)
+    req = torch.searchsorted(cu[1:].contiguous(), ar, right=True)
+    req = req.clamp_(max=max(idx_mapping.shape[0] - 1, 0))
+    return req, idx_mapping.to(torch.int64)[req]
+
+
 def row_params(
     draft_sampled: torch.Tensor,
     cu_num_logits: torch.Tensor,
@@ -214,9 +225,7 @@ def row_params(
     dev = draft_sampled.device
     cu = cu_num_logits.to(torch.int64)
     ar = torch.arange(rows, device=dev, dtype=torch.int64)
-    req = torch.searchsorted(cu[1:].contiguous(), ar, right=True)
-    req = req.clamp_(max=max(idx_mapping.shape[0] - 1, 0))
-    slot = idx_mapping.to(torch.int64)[req]
+    req, slot = _row_request_slot(cu_num_logits, idx_mapping, rows)
     last = ar == cu[1:][req] - 1
     nxt = torch.cat([draft_sampled[1:], draft_sampled.new_full((1,), -1)]).to(torch.int64)
     draft_row = torch.where(last, torch.full_like(nxt, -1), nxt)
@@ -432,11 +441,7 @@ def _nucleus_inputs(
     dev = cand.device
     tp = gathered.shape[0]
     recs = gathered[:, : (parts // tp) * rows * words].reshape(parts, rows, words)
-    cu = cu_num_logits.to(torch.int64)
-    ar = torch.arange(rows, device=dev, dtype=torch.int64)
-    req = torch.searchsorted(cu[1:].contiguous(), ar, right=True)
-    req = req.clamp_(max=max(idx_mapping.shape[0] - 1, 0))
-    slot = idx_mapping.to(torch.int64)[req]
+    _, slot = _row_request_slot(cu_num_logits, idx_mapping, rows)
     ones = torch.ones(temperature.shape[0], dtype=torch.float64, device=dev)
     zeros = torch.zeros(temperature.shape[0], dtype=torch.float32, device=dev)
     ms = 2 if use_fp64_gumbel else 1
