@@ -73,10 +73,14 @@ local stage's: every element carries a MurmurHash3 + two logs (Gumbel key) and t
 
 
 def sampled_variants() -> Iterator[VariantKey]:
-    """Sampled verification (compact mode): record kernel per (dtype, block), finish per TP."""
+    """Sampled verification (compact mode): record kernel per (dtype, block), candidates per
+    dtype, one merge, finish per TP."""
     for dtype in DTYPES:
         for block in SAMPLED_BLOCKS:
             yield VariantKey("sampled_record", dtype=dtype, block=block)
+    for dtype in DTYPES:
+        yield VariantKey("sampled_candidates", dtype=dtype)
+    yield VariantKey("sampled_merge")
     for tp in (*(str(t) for t in UNROLLED_TP), "n"):
         yield VariantKey("sampled_finish", tp=tp, transport="allgather")
 
@@ -92,6 +96,8 @@ TEMPLATE_OF_FAMILY = {
     "verify_finish": "verify_finish.py.j2",
     "sampled_record": "sampled_record.py.j2",
     "sampled_finish": "sampled_finish.py.j2",
+    "sampled_candidates": "sampled_candidates.py.j2",
+    "sampled_merge": "sampled_merge.py.j2",
 }
 
 
@@ -102,9 +108,9 @@ def template_context(key: VariantKey) -> dict[str, object]:
         ctx.update(
             dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align, block=key.block
         )
-    elif key.family == "sampled_record":
+    elif key.family in ("sampled_record", "sampled_candidates"):
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], block=key.block)
-    else:
+    elif key.family != "sampled_merge":
         ctx.update(
             transport=key.transport,
             tp=key.tp,

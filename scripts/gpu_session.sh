@@ -9,11 +9,13 @@
 #   bash scripts/gpu_session.sh D   the sampled GPU test and the step benchmark again (after a
 #                                   change of the sampled kernels), then the bf16 TP2 sweep of the
 #                                   vocabularies other than 200064
+#   bash scripts/gpu_session.sh E   the sampled GPU tests (temperature, top-k, top-p, min-p) and the
+#                                   step benchmark (greedy, sampled, sampled_nucleus rows)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A, B or C}
+STAGE=${1:?stage A, B, C, D or E}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -91,6 +93,15 @@ D)
   stamp "bf16 TP2 sweep for the other vocabularies (single GPU each op)"
   pair D --dtype bf16 --tp 2 --vocab 50257 128256 151936 152064 163840 262144 \
     --n-trials 8 --budget-s "$(left 500)"
+  ;;
+E)
+  stamp "sampled verification on the GPU (temperature, top-k, top-p, min-p)"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -k sampled tests/test_gpu.py 2>&1 | tail -15
+  stamp "step benchmark (greedy + sampled paths)"
+  SHARDMAX_TABLES_DIR=$TABLES timeout 200 python3 -m benchmarks --part step --budget-s 170 \
+    --out benchmarks/results/sm90 >"$OUT/bench_step.log" 2>&1
+  echo "  rc=$?"
+  tail -30 "$OUT/bench_step.log"
   ;;
 *)
   echo "unknown stage $STAGE" >&2

@@ -4,11 +4,14 @@ Research ``sampled-verification.md`` §1.2-§1.3 (what vLLM does) and §2.1-§2.
 of one call on one TP rank, one collective per step::
 
     local logits [rows, W] --sampled_record_<dtype>_b<block>--> records [S*rows, 3|4] int64
-                                 (top-k step: + keys [rows, W] --torch.topk--> [rows, C] int64)
+        (candidate step: + raw [rows, W] --torch.topk--> columns [rows, C]
+                                         --sampled_candidates_<dtype>--> keys [rows, C] int64)
     flat buffer [1, n] --all_gather(dim=0)--> [tp, n]   (24*S B per row and rank; fp64: 32*S B;
-                                                         top-k step: +8*S + 8*C B)
-    [tp, n] (--torch.topk merge of the tp*C candidates) --sampled_finish_tp<N>_allgather-->
-        sampled, num_sampled, num_rejected, fallback
+                                                         candidate step: +8*S + 8*C B)
+    [tp, n] (candidate step: --sampled_merge--> merged [rows, C] (+ keep, unsafe for top-p/min-p))
+        --sampled_finish_tp<N>_allgather--> sampled, num_sampled, num_rejected, fallback
+
+A candidate step is one with top-k, top-p or min-p requests.
 
 ``S`` = :func:`record_splits` programs per row (1 for a batch that fills the GPU on its own; up to
 32 for a few rows, so a decode step with one request does not run one program over the whole
@@ -42,6 +45,7 @@ from shardmax.collectives import Collective, resolve
 from shardmax.geometry import check_geometry
 from shardmax.keys import EMPTY_KEY
 from shardmax.ops import validate_verify_inputs
+from shardmax.reference_nucleus import SPLIT_PIPELINE_MAX_ROWS
 from shardmax.validation import SUPPORTED_DTYPES, check_index_tensor, value_checks_enabled
 from shardmax.variants import VariantKey, build_name, finish_variant
 
@@ -64,6 +68,11 @@ class VerifyResult(NamedTuple):
     num_sampled: torch.Tensor  # int32 [num_reqs]
     num_rejected: torch.Tensor  # int32 [num_reqs]
     fallback: torch.Tensor  # bool [num_reqs]: verify these requests the native way
+
+
+def candidates_variant(dtype: torch.dtype) -> str:
+    """The ``sampled_candidates`` kernel for logits of ``dtype``."""
+    return build_name(VariantKey("sampled_candidates", dtype=SUPPORTED_DTYPES[dtype]))
 
 
 def record_variant(dtype: torch.dtype, block: int = DEFAULT_RECORD_BLOCK) -> str:
@@ -268,18 +277,17 @@ def sampled_records(
     use_fp64_gumbel: bool,
     num_warps: int = 4,
     splits: int = 1,
-    keys: torch.Tensor | None = None,
+    with_min: bool = False,
 ) -> torch.Tensor:
     """Local stage: ``[rows, W]`` logits -> ``[splits * rows, 3 | 4 (+1)]`` int64 records
-    (split-major: record ``j * rows + r`` covers split ``j`` of row ``r``). With ``keys``
-    (int64 ``[rows, >= num_valid]``) the kernel also writes the packed key of every processed
-    value there and each record gains the split's smallest finite value (top-k steps)."""
+    (split-major: record ``j * rows + r`` covers split ``j`` of row ``r``). ``with_min`` (candidate
+    steps) adds a last word with the split's smallest finite processed value."""
     mod = kernels.load(variant)
     kernels._check_device(local_logits)
     if not isinstance(splits, int) or not 1 <= splits <= MAX_RECORD_SPLITS:
         raise ValueError(f"splits: expected an int in [1, {MAX_RECORD_SPLITS}], got {splits!r}")
     rows = local_logits.shape[0]
-    words = record_words(use_fp64_gumbel) + (keys is not None)
+    words = record_words(use_fp64_gumbel) + with_min
     rec = torch.empty((splits * rows, words), dtype=torch.int64, device=local_logits.device)
     if rows == 0:
         return rec
@@ -292,18 +300,47 @@ def sampled_records(
         seed_row,
         pos_row,
         draft_row,
-        keys if keys is not None else rec,
         local_logits.stride(0),
-        keys.stride(0) if keys is not None else 0,
         vocab_start,
         num_valid,
         chunk,
         BLOCK=mod.BLOCK,
         FP64=use_fp64_gumbel,
-        TOPK=keys is not None,
+        TOPK=with_min,
         num_warps=num_warps,
     )
     return rec
+
+
+def rank_candidates(
+    local_logits: torch.Tensor, vocab_start: int, num_valid: int, temp_row: torch.Tensor
+) -> torch.Tensor:
+    """One rank's candidates of a candidate step: int64 ``[rows, C]`` packed keys (unsorted) of
+    the processed values ``x = raw / T`` of its ``min(C, num_valid)`` largest raw values
+    (``torch.topk`` over the real columns), ``EMPTY_KEY`` after them; ``C`` =
+    :data:`TOPK_CANDIDATES`. Every column left out has ``x`` at most the smallest candidate's
+    (see ``templates/sampled_candidates.py.j2``)."""
+    c = TOPK_CANDIDATES
+    rows = local_logits.shape[0]
+    cand = torch.empty((rows, c), dtype=torch.int64, device=local_logits.device)
+    n_sel = min(c, num_valid)
+    if rows == 0:
+        return cand
+    idx = torch.topk(local_logits[:, :num_valid], n_sel, dim=1, sorted=False).indices
+    mod = kernels.load(candidates_variant(local_logits.dtype))
+    mod.kernel[(rows,)](
+        local_logits,
+        idx,
+        temp_row,
+        cand,
+        local_logits.stride(0),
+        idx.stride(0),
+        vocab_start,
+        n_sel,
+        CAND=c,
+        num_warps=1,
+    )
+    return cand
 
 
 def local_buffer(
@@ -314,26 +351,11 @@ def local_buffer(
     variant: str,
     use_fp64_gumbel: bool,
     splits: int,
-    with_topk: bool,
+    with_candidates: bool,
 ) -> torch.Tensor:
     """What one rank contributes to the step's all_gather: int64 ``[1, n]`` = its records
-    (flattened), then, on a top-k step, its top-:data:`TOPK_CANDIDATES` packed keys per row
-    (``torch.topk`` of the keys the record kernel wrote; unique keys, so the order is exactly
-    (value desc, id asc)). ``n`` is the same on every rank."""
-    rows = local_logits.shape[0]
-    if not with_topk:
-        rec = sampled_records(
-            local_logits, vocab_start, num_valid, params, variant, use_fp64_gumbel, splits=splits
-        )
-        return rec.view(1, -1)
-    c = TOPK_CANDIDATES
-    shape = (rows, max(num_valid, c))
-    dev = local_logits.device
-    keys = (
-        torch.empty(shape, dtype=torch.int64, device=dev)
-        if num_valid >= c
-        else torch.full(shape, EMPTY_KEY, dtype=torch.int64, device=dev)  # narrow shard
-    )
+    (flattened), then, on a candidate step (top-k / top-p / min-p requests), its
+    :func:`rank_candidates`. ``n`` is the same on every rank."""
     rec = sampled_records(
         local_logits,
         vocab_start,
@@ -342,17 +364,80 @@ def local_buffer(
         variant,
         use_fp64_gumbel,
         splits=splits,
-        keys=keys,
+        with_min=with_candidates,
     )
-    cand = torch.topk(keys, c, dim=1, largest=True, sorted=True).values
-    return torch.cat([rec.view(-1), cand.reshape(-1)]).view(1, -1)
+    if not with_candidates:
+        return rec.view(1, -1)
+    cand = rank_candidates(local_logits, vocab_start, num_valid, params[0])
+    return torch.cat([rec.view(-1), cand.view(-1)]).view(1, -1)
+
+
+def merge_candidates(
+    gathered: torch.Tensor,
+    splits: int,
+    rows: int,
+    words: int,
+    cu_num_logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    *,
+    rows_in_step: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Every rank, on the gathered ``[tp, n]`` buffers: the merged candidates (int64
+    ``[rows, C]``, the exact global prefix in (value desc, id asc) order, ``EMPTY_KEY`` after it)
+    and, when a top-p / min-p rule is given, per row ``keep`` (int32, kept candidates, 0 = no such
+    rule on the row) and ``unsafe`` (int8, the guard). One ``sampled_merge`` launch.
+    ``rows_in_step`` (default ``rows``) picks the vLLM top-p pipeline the guard models (split
+    up to :data:`SPLIT_PIPELINE_MAX_ROWS` rows, monolithic beyond)."""
+    c = TOPK_CANDIDATES
+    dev = gathered.device
+    tp, n = gathered.shape
+    merged = torch.empty((rows, c), dtype=torch.int64, device=dev)
+    nucleus = top_p is not None or min_p is not None
+    keep = torch.empty(rows, dtype=torch.int32, device=dev) if nucleus else None
+    unsafe = torch.empty(rows, dtype=torch.int8, device=dev) if nucleus else None
+    if rows == 0:
+        return merged, keep, unsafe
+    slot = _row_request_slot(cu_num_logits, idx_mapping, rows)[1] if nucleus else merged
+    dummy = merged
+    mod = kernels.load(build_name(VariantKey("sampled_merge")))
+    mod.kernel[(rows,)](
+        gathered,
+        merged,
+        keep if keep is not None else dummy,
+        unsafe if unsafe is not None else dummy,
+        slot,
+        temperature,
+        top_k.to(torch.int64) if top_k is not None else dummy,
+        top_p if top_p is not None else dummy,
+        min_p if min_p is not None else dummy,
+        rows,
+        rows if rows_in_step is None else rows_in_step,
+        tp,
+        splits,
+        n,
+        splits * rows * words,
+        CAND=c,
+        W=words,
+        MS=2 if words == record_words(True) + 1 else 1,
+        HAS_NUCLEUS=nucleus,
+        HAS_TOPK=top_k is not None,
+        HAS_TOP_P=top_p is not None,
+        HAS_MIN_P=min_p is not None,
+        SPLIT_MAX_ROWS=SPLIT_PIPELINE_MAX_ROWS,
+        num_warps=2,
+    )
+    return merged, keep, unsafe
 
 
 def finish_gathered(
     gathered: torch.Tensor,
     tp: int,
     splits: int,
-    with_topk: bool,
+    with_candidates: bool,
     vocab: int,
     draft_sampled: torch.Tensor,
     cu_num_logits: torch.Tensor,
@@ -369,30 +454,22 @@ def finish_gathered(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
 ) -> VerifyResult:
-    """Every rank: ``[tp, n]`` gathered buffers -> :class:`VerifyResult`. On a top-k step the
-    ranks' candidates are merged first (``torch.topk`` over ``tp * C`` keys: the exact global
-    top-C, since every member of it is in its own rank's top-C)."""
+    """Every rank: ``[tp, n]`` gathered buffers -> :class:`VerifyResult`. On a candidate step
+    the ranks' candidates are merged first (:func:`merge_candidates`)."""
     rows = draft_sampled.shape[0]
     gathered = gathered.contiguous()
     n = gathered.shape[1]
     cand: torch.Tensor | None = None
     keep: torch.Tensor | None = None
     unsafe: torch.Tensor | None = None
-    if with_topk:
-        c = TOPK_CANDIDATES
+    if with_candidates:
         words = record_words(use_fp64_gumbel) + 1
-        per_rank = gathered[:, splits * rows * words :].reshape(tp, rows, c)
-        cand = per_rank.permute(1, 0, 2).reshape(rows, tp * c)
-        if tp > 1:
-            cand = torch.topk(cand, c, dim=1, largest=True, sorted=True).values
-        cand = cand.contiguous()
+        cand, keep, unsafe = merge_candidates(
+            gathered, splits, rows, words, cu_num_logits, idx_mapping, temperature,
+            top_k, top_p, min_p,
+        )  # fmt: skip
         if top_k is None:  # candidates for top-p / min-p only: top-k off everywhere
             top_k = torch.zeros(temperature.shape[0], dtype=torch.int32, device=cand.device)
-        if top_p is not None or min_p is not None:
-            keep, unsafe = _nucleus_inputs(
-                cand, per_rank, gathered, tp * splits, rows, words, use_fp64_gumbel,
-                cu_num_logits, idx_mapping, temperature, top_k, top_p, min_p,
-            )  # fmt: skip
     parts = tp * splits  # rank-major, then split-major: N records per row
     return sampled_finish(
         gathered,
@@ -417,47 +494,6 @@ def finish_gathered(
         keep=keep,
         unsafe=unsafe,
     )
-
-
-def _nucleus_inputs(
-    cand: torch.Tensor,
-    per_rank: torch.Tensor,
-    gathered: torch.Tensor,
-    parts: int,
-    rows: int,
-    words: int,
-    use_fp64_gumbel: bool,
-    cu_num_logits: torch.Tensor,
-    idx_mapping: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor | None,
-    min_p: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row kept counts and guard of top-p / min-p rows (:func:`shardmax.nucleus.nucleus_rows`)
-    from the gathered bytes; per-slot sampling state gathered to rows on the device."""
-    from shardmax.nucleus import nucleus_rows
-
-    dev = cand.device
-    tp = gathered.shape[0]
-    recs = gathered[:, : (parts // tp) * rows * words].reshape(parts, rows, words)
-    _, slot = _row_request_slot(cu_num_logits, idx_mapping, rows)
-    ones = torch.ones(temperature.shape[0], dtype=torch.float64, device=dev)
-    zeros = torch.zeros(temperature.shape[0], dtype=torch.float32, device=dev)
-    ms = 2 if use_fp64_gumbel else 1
-    keep, unsafe = nucleus_rows(
-        cand,
-        per_rank[:, :, -1].max(dim=0).values,
-        recs,
-        ms,
-        ms + 2,
-        temperature[slot],
-        top_k.to(torch.int64)[slot],
-        (top_p if top_p is not None else ones)[slot],
-        (min_p if min_p is not None else zeros)[slot],
-        rows,
-    )
-    return keep.contiguous(), unsafe.to(torch.int8).contiguous()
 
 
 def sampled_finish(
@@ -615,7 +651,7 @@ def sharded_verify(
             a request's rows keep min-p survivors, then its top-k, then the EXACT nucleus
             (:func:`shardmax.reference_nucleus.exact_nucleus_keep`; vLLM's own top-p search is
             approximate and batch-dependent, research §1.5) from the merged top-64 candidates
-            (:mod:`shardmax.nucleus`); rows the guard cannot decide -- nucleus beyond the
+            (the ``sampled_merge`` kernel); rows the guard cannot decide -- nucleus beyond the
             candidates, mass within rounding of ``p``, a tie at the boundary, a gap below vLLM's
             search resolution, min-p survivors beyond the candidates or at the threshold, min-p
             leaving ``<= k`` survivors for an active top-k -- set ``fallback``.
@@ -659,7 +695,7 @@ def sharded_verify(
     params = row_params(draft_sampled, cu_num_logits, pos, idx_mapping, chk.temperature, seed)
     # from the padded shard width, not num_valid: every rank must pick the same S
     splits = record_splits(logits.shape[0], logits.shape[1], DEFAULT_RECORD_BLOCK, logits.device)
-    with_topk = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
+    with_candidates = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
     buf = local_buffer(
         logits,
         chk.vocab_start,
@@ -668,13 +704,13 @@ def sharded_verify(
         record_variant(logits.dtype),
         use_fp64_gumbel,
         splits,
-        with_topk,
+        with_candidates,
     )
     return finish_gathered(
         coll.all_gather_dim0(buf),
         coll.world_size,
         splits,
-        with_topk,
+        with_candidates,
         chk.vocab,
         draft_sampled,
         cu_num_logits,

@@ -183,11 +183,12 @@ def _pack_pair(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows_in_step", [8, 100])
-def test_sharded_nucleus_rows_keep_the_exact_nucleus(rows_in_step: int) -> None:
-    """``shardmax.nucleus.nucleus_rows`` (the vectorised guard the sharded finish uses): on every
-    row it calls safe, the kept count is the exact nucleus size (after min-p and top-k)."""
-    from shardmax.keys import pack_keys
-    from shardmax.nucleus import nucleus_rows
+def test_sampled_merge_keeps_the_exact_nucleus(rows_in_step: int) -> None:
+    """The ``sampled_merge`` kernel (merge + kept count + guard of the sharded finish), one rank:
+    on every row it calls safe, the kept count is the exact nucleus size (after min-p and top-k).
+    ``rows_in_step`` switches the convergence rule between vLLM's split and monolithic pipeline."""
+    from shardmax.keys import EMPTY_KEY, pack_keys, unpack_values
+    from shardmax.sampled import merge_candidates
 
     c, vocab = 64, 3000
     x = _zipf_rows(40, vocab, [0.8, 1.1, 1.5, 2.0, 3.0], seed=rows_in_step)
@@ -198,17 +199,24 @@ def test_sharded_nucleus_rows_keep_the_exact_nucleus(rows_in_step: int) -> None:
     top_k = torch.tensor([0, 0, 20])[torch.randint(0, 3, (n,), generator=gen)]
     top_p[(top_p >= 1) & (min_p == 0)] = 0.9  # every row has a rule
     keys = pack_keys(x, torch.arange(vocab).expand(n, vocab))
-    merged = torch.topk(keys, c, dim=1).values
+    cand = keys.gather(1, torch.randperm(vocab, generator=gen)[None, :].expand(n, vocab))
+    cand = torch.topk(cand, c, dim=1, sorted=False).values  # a rank's unsorted candidates
     m = x.max(dim=1).values
     s = torch.exp(x - m[:, None]).sum(dim=1)
-    words = torch.zeros(1, n, 4, dtype=torch.int64)  # one part: key, (m, s), (xd, flag), min
-    words[0, :, 1] = _pack_pair(m, s)
-    words[0, :, 3] = _pack_pair(x.min(dim=1).values, torch.zeros(n))
-    keep, unsafe = nucleus_rows(
-        merged, merged[:, -1], words, 1, 3, torch.ones(n), top_k, top_p.double(), min_p,
-        rows_in_step,
+    words = torch.zeros(n, 4, dtype=torch.int64)  # one part: key, (m, s), (xd, flag), min
+    words[:, 1] = _pack_pair(m, s)
+    words[:, 3] = _pack_pair(x.min(dim=1).values, torch.zeros(n))
+    gathered = torch.cat([words.view(-1), cand.view(-1)]).view(1, -1)
+    cu = torch.arange(n + 1, dtype=torch.int32)
+    merged, keep, unsafe = merge_candidates(
+        gathered, 1, n, 4, cu, torch.arange(n, dtype=torch.int32), torch.ones(n), top_k,
+        top_p.double(), min_p, rows_in_step=rows_in_step,
     )  # fmt: skip
+    assert keep is not None and unsafe is not None
+    want_merged = torch.topk(keys, c, dim=1).values
+    exact = unpack_values(want_merged) > unpack_values(want_merged[:, -1:])
+    assert torch.equal(merged, torch.where(exact, want_merged, EMPTY_KEY))  # exact prefix only
     want = exact_nucleus_keep(x, top_p, top_k, min_p).sum(dim=1)
-    safe = ~unsafe
+    safe = unsafe == 0
     assert int(safe.sum()) >= n // 3
     assert torch.equal(keep[safe].to(torch.int64), want[safe]), (keep[safe], want[safe])

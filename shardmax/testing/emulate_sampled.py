@@ -91,7 +91,7 @@ def emulate_verify(
         if record_block is None
         else record_variant(full_logits.dtype, record_block)
     )
-    with_topk = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
+    with_candidates = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
     gathered = torch.cat(
         [
             local_buffer(
@@ -102,7 +102,7 @@ def emulate_verify(
                 variant,
                 use_fp64_gumbel,
                 record_splits,
-                with_topk,
+                with_candidates,
             )
             for sh in shards
         ],
@@ -112,7 +112,7 @@ def emulate_verify(
         gathered,
         tp_size,
         record_splits,
-        with_topk,
+        with_candidates,
         chk.vocab,
         draft_sampled,
         cu_num_logits,
