@@ -420,9 +420,10 @@ def summary_markdown(local_rows: list[dict[str, Any]], step_rows: list[dict[str,
             "then the same kernels on the full logits. Flagged = fraction of requests returned "
             "with `fallback` (the caller re-verifies them natively); on these random-normal "
             "logits, not a prediction for real traffic. +top-k/top-p = the same with top-k 20 and "
-            "top-p 0.95 on every request (each rank's top-64 candidate keys ride the all_gather; "
-            "exact nucleus where the guard passes). Greedy verification of the same batch "
-            "alongside.",
+            "top-p 0.95 on every request (each record split's top-64 candidate keys, selected "
+            "in the record kernel, ride the all_gather; `sampled_merge` merges them and decides "
+            "the exact nucleus where the guard passes; wire = 544 B per row and record split). "
+            "Greedy verification of the same batch alongside.",
             "",
             _table(
                 ["dtype", "rows", "sampled sharded us", "sampled plain us", "x plain",

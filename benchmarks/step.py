@@ -30,8 +30,8 @@ Every rank holds its vLLM shard ``[rows, W]`` of the same seeded full logits ``[
     all_gather of the full padded logits, then the same sampled kernels on the full logits
     (one rank's records + finish): the unsharded step with the same arithmetic.
 ``sampled_nucleus/sharded_fast``, ``sampled_nucleus/plain``
-    the same with top-k 20 and top-p 0.95 on every request (candidates path: each rank's top-64
-    keys ride the all_gather; exact nucleus where the guard passes).
+    the same with top-k 20 and top-p 0.95 on every request (candidates path: each record
+    split's top-64 keys ride the all_gather; exact nucleus where the guard passes).
 
 Every path is checked against the reference on the full logits before it is timed; timing is
 CUDA-graph replay (fixed counts on every rank, warm-up before capture, barrier before every
@@ -83,8 +83,8 @@ def wire_bytes_per_rank(
     ``floor_allreduce_int64``: ``8 * rows``;
     ``sharded_fast`` (sampled verification): ``24 * splits * rows`` (one fp32-Gumbel record per
     row and record split, :func:`shardmax.sampled.record_splits`);
-    ``sharded_nucleus`` (+ top-k / top-p): ``32 * splits * rows + 8 * 64 * rows`` (the record
-    gains the split's smallest finite value; the rank's top-64 candidate keys per row).
+    ``sharded_nucleus`` (+ top-k / top-p): ``(32 + 8 * 64) * splits * rows`` (the record gains
+    the split's smallest finite value; each record split sends its top-64 candidate keys).
     """
     if rows < 0 or splits < 1:
         raise ValueError(f"rows={rows}, splits={splits}")
@@ -101,7 +101,7 @@ def wire_bytes_per_rank(
     if path == "sharded_nucleus":
         from shardmax.sampled import TOPK_CANDIDATES
 
-        return (SAMPLED_RECORD_BYTES + 8) * splits * rows + 8 * TOPK_CANDIDATES * rows
+        return (SAMPLED_RECORD_BYTES + 8 + 8 * TOPK_CANDIDATES) * splits * rows
     raise ValueError(f"unknown path {path!r}")
 
 

@@ -73,13 +73,11 @@ local stage's: every element carries a MurmurHash3 + two logs (Gumbel key) and t
 
 
 def sampled_variants() -> Iterator[VariantKey]:
-    """Sampled verification (compact mode): record kernel per (dtype, block), candidates per
-    dtype, one merge, finish per TP."""
+    """Sampled verification (compact mode): record kernel per (dtype, block), one candidate
+    merge, finish per TP."""
     for dtype in DTYPES:
         for block in SAMPLED_BLOCKS:
             yield VariantKey("sampled_record", dtype=dtype, block=block)
-    for dtype in DTYPES:
-        yield VariantKey("sampled_candidates", dtype=dtype)
     yield VariantKey("sampled_merge")
     for tp in (*(str(t) for t in UNROLLED_TP), "n"):
         yield VariantKey("sampled_finish", tp=tp, transport="allgather")
@@ -96,7 +94,6 @@ TEMPLATE_OF_FAMILY = {
     "verify_finish": "verify_finish.py.j2",
     "sampled_record": "sampled_record.py.j2",
     "sampled_finish": "sampled_finish.py.j2",
-    "sampled_candidates": "sampled_candidates.py.j2",
     "sampled_merge": "sampled_merge.py.j2",
 }
 
@@ -108,7 +105,7 @@ def template_context(key: VariantKey) -> dict[str, object]:
         ctx.update(
             dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align, block=key.block
         )
-    elif key.family in ("sampled_record", "sampled_candidates"):
+    elif key.family == "sampled_record":
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], block=key.block)
     elif key.family != "sampled_merge":
         ctx.update(

@@ -17,9 +17,10 @@ See README.md for the semantics contract and the data flow of one step.
 
 from shardmax.gate import ShardDecision, can_shard_verify
 from shardmax.ops import sharded_greedy_verify, vocab_parallel_argmax
-from shardmax.sampled import VerifyResult, sharded_verify
+from shardmax.sampled import FallbackReason, VerifyResult, sharded_verify
 
 __all__ = [
+    "FallbackReason",
     "ShardDecision",
     "VerifyResult",
     "can_shard_verify",

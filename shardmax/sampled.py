@@ -4,10 +4,9 @@ Research ``sampled-verification.md`` §1.2-§1.3 (what vLLM does) and §2.1-§2.
 of one call on one TP rank, one collective per step::
 
     local logits [rows, W] --sampled_record_<dtype>_b<block>--> records [S*rows, 3|4] int64
-        (candidate step: + raw [rows, W] --torch.topk--> columns [rows, C]
-                                         --sampled_candidates_<dtype>--> keys [rows, C] int64)
+                               (candidate step: + 1 word, and [S*rows, C] int64 candidates)
     flat buffer [1, n] --all_gather(dim=0)--> [tp, n]   (24*S B per row and rank; fp64: 32*S B;
-                                                         candidate step: +8*S + 8*C B)
+                                                         candidate step: +8*S*(1 + C) B)
     [tp, n] (candidate step: --sampled_merge--> merged [rows, C] (+ keep, unsafe for top-p/min-p))
         --sampled_finish_tp<N>_allgather--> sampled, num_sampled, num_rejected, fallback
 
@@ -24,17 +23,23 @@ Exactness (vs :func:`shardmax.reference_sampled.verify_sampled` and vLLM):
 * temperature acceptance: the global LSE is rebuilt from per-rank ``(max, sumexp)`` in fp64, so
   it is not vLLM's fp32 bits; every row whose decision could differ (interval test, research
   §2.3) sets ``fallback`` for its request -- all other decisions are vLLM's;
-* top-k requests (``0 < k < C = TOPK_CANDIDATES``): the kept set comes from every rank's top-C
-  packed keys of ``x`` merged (exact: vLLM's converged top-k, ties at the k-th value by lowest
-  id); acceptance as above with the kept set's LSE; the Gumbel token over the kept ids. Rows
-  whose k-th value is too close to the next distinct one for vLLM's pivot search to be sure to
-  converge (research §2.4: ``v_k - v' <= 3.5e-4 * (max - min_finite)``) set ``fallback``;
+* top-k requests (``0 < k < C = TOPK_CANDIDATES``): the kept set comes from the top-C packed
+  keys of ``x`` of every record split of every rank (selected in the record kernel's second
+  pass), merged by ``sampled_merge`` into an exact prefix of the row's (value desc, id asc)
+  order -- vLLM's converged top-k, ties at the k-th value by lowest id; acceptance as above with
+  the kept set's LSE; the Gumbel token over the kept ids. Rows whose k-th value is too close to
+  the next distinct one for vLLM's pivot search to be sure to converge (research §2.4:
+  ``v_k - v' <= 3.5e-4 * (max - min_finite)``), or whose kept set reaches past the exact prefix,
+  set ``fallback``;
+* top-p / min-p requests: the kept count and the guard come from ``sampled_merge`` (the exact
+  nucleus of the merged prefix, see :func:`sharded_verify`);
 * requests with NaN / +inf / no finite logit in a used row, and requests with ``k >= C`` are
   returned with ``fallback = True``.
 """
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Any, NamedTuple
 
 import torch
@@ -43,22 +48,65 @@ import triton
 from shardmax import kernels
 from shardmax.collectives import Collective, resolve
 from shardmax.geometry import check_geometry
-from shardmax.keys import EMPTY_KEY
 from shardmax.ops import validate_verify_inputs
 from shardmax.reference_nucleus import SPLIT_PIPELINE_MAX_ROWS
 from shardmax.validation import SUPPORTED_DTYPES, check_index_tensor, value_checks_enabled
 from shardmax.variants import VariantKey, build_name, finish_variant
 
-__all__ = ["DEFAULT_RECORD_BLOCK", "VerifyResult", "record_variant", "sharded_verify"]
+__all__ = [
+    "DEFAULT_RECORD_BLOCK",
+    "FallbackReason",
+    "VerifyResult",
+    "record_variant",
+    "sharded_verify",
+]
 
 DEFAULT_RECORD_BLOCK = 2048
 """Record-kernel tile when nothing else is asked (untuned; any block gives the same keys)."""
 MAX_RECORD_SPLITS = 32
 TOPK_CANDIDATES = 64
-"""Top-k candidates per row and rank (a power of two): requests with ``k < 64`` run sharded,
-larger ``k`` come back in ``fallback``. Static, so a captured CUDA graph never reallocates."""
+"""Candidates per row and record split (a power of two): requests with top-k ``k < 64`` run
+sharded, larger ``k`` come back in ``fallback``. Static, so a captured CUDA graph never
+reallocates."""
+CANDIDATE_CAPACITY = 4 * TOPK_CANDIDATES
+"""Keys at or above a split's selection threshold the record kernel can hold (a power of two);
+beyond it the split's candidates are unknown and the rows that need them fall back."""
+SELECTION_GROUPS = 128
+"""Lane groups of the record kernel's candidate selection: the threshold is the
+``TOPK_CANDIDATES``-th largest group maximum, so about ``C + C**2 / (2 * groups)`` (80) keys of a
+split reach it on unstructured rows, well within :data:`CANDIDATE_CAPACITY`."""
+
+
+def sorting_network(device: torch.device) -> bool:
+    """Whether the selection kernels use Triton's bitonic ``tl.topk`` (compiled, GPU) or rank
+    counting (the CPU interpreter, where the bitonic network is far slower); both give the
+    same keys (``templates/_select.j2``)."""
+    return device.type != "cpu"
+
 
 MODES = ("fast", "strict")
+
+
+class FallbackReason(IntEnum):
+    """Why :func:`sharded_verify` returned a request with ``fallback`` (``VerifyResult.reason``,
+    int8 per request). Codes 1-7 are the top-p / min-p guard's
+    (:class:`shardmax.reference_nucleus.GuardReason`, same numbers); the request carries the
+    reason of the first row its decision used that failed, or ``TOPK_CAPACITY``."""
+
+    NONE = 0
+    NUCLEUS_NAN = 1  # top-p / min-p row holding NaN / +inf
+    NUCLEUS_NOT_COVERED = 2  # the nucleus or the first excluded value is past the candidates
+    NUCLEUS_MASS_MARGIN = 3  # the mass at the boundary is within rounding of p
+    NUCLEUS_TIE_STRADDLE = 4  # the last kept and the first excluded value are equal
+    NUCLEUS_NOT_CONVERGED = 5  # the boundary gap is below vLLM's search resolution
+    MIN_P_NOT_COVERED = 6  # min-p survivors may lie past the candidates
+    MIN_P_MARGIN = 7  # a value within 2 ulp of the min-p threshold
+    LSE_MARGIN = 8  # an acceptance test within the LSE error bound (interval test, §2.3)
+    NON_FINITE = 9  # a used row holds NaN / +inf, no finite logit or no finite kept value
+    TOPK_CAPACITY = 10  # top-k >= TOPK_CANDIDATES (outputs -1 / 0 / 0)
+    TOPK_BOUNDARY = 11  # k-th value too close to the next one, past the exact prefix, or no
+    # finite kept value known (e.g. a record split's candidates overflowed)
+    NO_KEPT_TOKEN = 12  # the resampled row has no kept id left to draw
 
 
 class VerifyResult(NamedTuple):
@@ -68,11 +116,7 @@ class VerifyResult(NamedTuple):
     num_sampled: torch.Tensor  # int32 [num_reqs]
     num_rejected: torch.Tensor  # int32 [num_reqs]
     fallback: torch.Tensor  # bool [num_reqs]: verify these requests the native way
-
-
-def candidates_variant(dtype: torch.dtype) -> str:
-    """The ``sampled_candidates`` kernel for logits of ``dtype``."""
-    return build_name(VariantKey("sampled_candidates", dtype=SUPPORTED_DTYPES[dtype]))
+    reason: torch.Tensor  # int8 [num_reqs]: FallbackReason, 0 where fallback is False
 
 
 def record_variant(dtype: torch.dtype, block: int = DEFAULT_RECORD_BLOCK) -> str:
@@ -277,25 +321,38 @@ def sampled_records(
     use_fp64_gumbel: bool,
     num_warps: int = 4,
     splits: int = 1,
-    with_min: bool = False,
+    with_candidates: bool = False,
 ) -> torch.Tensor:
-    """Local stage: ``[rows, W]`` logits -> ``[splits * rows, 3 | 4 (+1)]`` int64 records
-    (split-major: record ``j * rows + r`` covers split ``j`` of row ``r``). ``with_min`` (candidate
-    steps) adds a last word with the split's smallest finite processed value."""
+    """Local stage: ``[rows, W]`` logits -> one rank's flat int64 buffer: ``[splits * rows,
+    3 | 4]`` records (split-major: record ``j * rows + r`` covers split ``j`` of row ``r``), and on
+    a candidate step (``with_candidates``) one more record word (the split's smallest finite
+    processed value) followed by ``[splits * rows, C]`` candidates: each split's exact top-``C``
+    packed keys of ``x`` (``C`` = :data:`TOPK_CANDIDATES`)."""
     mod = kernels.load(variant)
     kernels._check_device(local_logits)
     if not isinstance(splits, int) or not 1 <= splits <= MAX_RECORD_SPLITS:
         raise ValueError(f"splits: expected an int in [1, {MAX_RECORD_SPLITS}], got {splits!r}")
     rows = local_logits.shape[0]
-    words = record_words(use_fp64_gumbel) + with_min
-    rec = torch.empty((splits * rows, words), dtype=torch.int64, device=local_logits.device)
+    dev = local_logits.device
+    words = record_words(use_fp64_gumbel) + with_candidates
+    c = TOPK_CANDIDATES
+    n_rec = splits * rows * words
+    buf = torch.empty(n_rec + (splits * rows * c if with_candidates else 0), dtype=torch.int64,
+                      device=dev)  # fmt: skip
     if rows == 0:
-        return rec
+        return buf
+    scratch = (
+        torch.empty((splits * rows, CANDIDATE_CAPACITY), dtype=torch.int64, device=dev)
+        if with_candidates
+        else buf
+    )
     chunk = triton.cdiv(triton.cdiv(num_valid, splits), mod.BLOCK) * mod.BLOCK
     temp_row, seed_row, pos_row, draft_row = params
     mod.kernel[(rows, splits)](
         local_logits,
-        rec,
+        buf,
+        buf[n_rec:] if with_candidates else buf,
+        scratch,
         temp_row,
         seed_row,
         pos_row,
@@ -306,41 +363,14 @@ def sampled_records(
         chunk,
         BLOCK=mod.BLOCK,
         FP64=use_fp64_gumbel,
-        TOPK=with_min,
+        TOPK=with_candidates,
+        CAND=c,
+        CAP=CANDIDATE_CAPACITY,
+        GROUPS=SELECTION_GROUPS,
+        NETWORK=sorting_network(dev),
         num_warps=num_warps,
     )
-    return rec
-
-
-def rank_candidates(
-    local_logits: torch.Tensor, vocab_start: int, num_valid: int, temp_row: torch.Tensor
-) -> torch.Tensor:
-    """One rank's candidates of a candidate step: int64 ``[rows, C]`` packed keys (unsorted) of
-    the processed values ``x = raw / T`` of its ``min(C, num_valid)`` largest raw values
-    (``torch.topk`` over the real columns), ``EMPTY_KEY`` after them; ``C`` =
-    :data:`TOPK_CANDIDATES`. Every column left out has ``x`` at most the smallest candidate's
-    (see ``templates/sampled_candidates.py.j2``)."""
-    c = TOPK_CANDIDATES
-    rows = local_logits.shape[0]
-    cand = torch.empty((rows, c), dtype=torch.int64, device=local_logits.device)
-    n_sel = min(c, num_valid)
-    if rows == 0:
-        return cand
-    idx = torch.topk(local_logits[:, :num_valid], n_sel, dim=1, sorted=False).indices
-    mod = kernels.load(candidates_variant(local_logits.dtype))
-    mod.kernel[(rows,)](
-        local_logits,
-        idx,
-        temp_row,
-        cand,
-        local_logits.stride(0),
-        idx.stride(0),
-        vocab_start,
-        n_sel,
-        CAND=c,
-        num_warps=1,
-    )
-    return cand
+    return buf
 
 
 def local_buffer(
@@ -353,10 +383,9 @@ def local_buffer(
     splits: int,
     with_candidates: bool,
 ) -> torch.Tensor:
-    """What one rank contributes to the step's all_gather: int64 ``[1, n]`` = its records
-    (flattened), then, on a candidate step (top-k / top-p / min-p requests), its
-    :func:`rank_candidates`. ``n`` is the same on every rank."""
-    rec = sampled_records(
+    """What one rank contributes to the step's all_gather: int64 ``[1, n]``
+    (:func:`sampled_records`); ``n`` is the same on every rank."""
+    return sampled_records(
         local_logits,
         vocab_start,
         num_valid,
@@ -364,12 +393,8 @@ def local_buffer(
         variant,
         use_fp64_gumbel,
         splits=splits,
-        with_min=with_candidates,
-    )
-    if not with_candidates:
-        return rec.view(1, -1)
-    cand = rank_candidates(local_logits, vocab_start, num_valid, params[0])
-    return torch.cat([rec.view(-1), cand.view(-1)]).view(1, -1)
+        with_candidates=with_candidates,
+    ).view(1, -1)
 
 
 def merge_candidates(
@@ -428,6 +453,7 @@ def merge_candidates(
         HAS_TOP_P=top_p is not None,
         HAS_MIN_P=min_p is not None,
         SPLIT_MAX_ROWS=SPLIT_PIPELINE_MAX_ROWS,
+        NETWORK=sorting_network(dev),
         num_warps=2,
     )
     return merged, keep, unsafe
@@ -533,8 +559,9 @@ def sampled_finish(
     num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=dev)
     num_rejected = torch.empty(num_reqs, dtype=torch.int32, device=dev)
     fallback = torch.empty(num_reqs, dtype=torch.int8, device=dev)
+    reason = torch.empty(num_reqs, dtype=torch.int8, device=dev)
     if num_reqs == 0:
-        return VerifyResult(sampled, num_sampled, num_rejected, fallback.bool())
+        return VerifyResult(sampled, num_sampled, num_rejected, fallback.bool(), reason)
     synthetic = synthetic_conditional_rates is not None
     has_prefill = seq_lens is not None and prefill_len is not None
     if top_k is not None and candidates is None:
@@ -563,6 +590,7 @@ def sampled_finish(
         num_sampled,
         num_rejected,
         fallback,
+        reason,
         draft_sampled.shape[0],
         tp,
         splits,
@@ -579,7 +607,7 @@ def sampled_finish(
         HAS_KEEP=keep is not None,
         num_warps=1,
     )
-    return VerifyResult(sampled, num_sampled, num_rejected, fallback.bool())
+    return VerifyResult(sampled, num_sampled, num_rejected, fallback.bool(), reason)
 
 
 def _empty(k: int, dev: torch.device) -> VerifyResult:
@@ -588,6 +616,7 @@ def _empty(k: int, dev: torch.device) -> VerifyResult:
         torch.empty(0, dtype=torch.int32, device=dev),
         torch.empty(0, dtype=torch.int32, device=dev),
         torch.empty(0, dtype=torch.bool, device=dev),
+        torch.empty(0, dtype=torch.int8, device=dev),
     )
 
 
@@ -635,7 +664,7 @@ def sharded_verify(
     a used row holds NaN / +inf or no finite logit, a used top-k row fails the convergence guard
     (see the module docstring), or the request's top-k is ``>= TOPK_CANDIDATES`` (64; its outputs
     are then ``-1`` / 0 / 0). Top-k requests with ``0 < k < 64`` run sharded: vLLM's top-k kept
-    set (ties at the k-th value by lowest id) from every rank's top-64 candidates.
+    set (ties at the k-th value by lowest id) from every rank's top-64 candidates per record split.
 
     Args:
         local_logits, draft_sampled, cu_num_logits, pos, idx_mapping, expanded_local_pos, seed,
@@ -658,7 +687,8 @@ def sharded_verify(
 
     Returns:
         :class:`VerifyResult` ``(sampled int64 [num_reqs, K+1], num_sampled int32,
-        num_rejected int32, fallback bool)``, identical on every rank.
+        num_rejected int32, fallback bool, reason int8)``, identical on every rank; ``reason``
+        is the :class:`FallbackReason` of each flagged request (0 elsewhere).
 
     Raises:
         TypeError / ValueError naming the argument (as the greedy op, plus temperature/top-k

@@ -12,7 +12,6 @@ fixed order and are present only when the family has that axis::
     verify_finish_tpn_allgather     target finish, any TP size (runtime loop over ranks)
     sampled_record_bf16_b2048       sampled verification, local stage: shard -> fixed-size records
     sampled_finish_tp4_allgather    sampled verification finish after all_gather(dim=0) of records
-    sampled_candidates_bf16         candidate steps: packed keys of one rank's torch.topk columns
     sampled_merge                   candidate steps: merge of the ranks' candidates + nucleus
 
 ``tp`` is ``2``, ``4`` or ``8`` (the loop over ranks is unrolled) or ``n`` (any TP size,
@@ -31,7 +30,6 @@ FAMILIES = (
     "verify_finish",
     "sampled_record",
     "sampled_finish",
-    "sampled_candidates",
     "sampled_merge",
 )
 TRANSPORTS = ("allgather", "allreduce")
@@ -39,7 +37,7 @@ UNROLLED_TP = (2, 4, 8)
 
 _NAME_RE = re.compile(
     r"^(?P<family>shard_keys|argmax_pick|verify_finish|sampled_record|sampled_finish"
-    r"|sampled_candidates|sampled_merge)"
+    r"|sampled_merge)"
     r"(?:_(?P<dtype>bf16|fp16|fp32))?"
     r"(?:_va(?P<align>\d+))?"
     r"(?:_b(?P<block>\d+))?"
@@ -72,14 +70,6 @@ class VariantKey:
                 raise ValueError(f"sampled_record needs dtype and block (no align): {self}")
             if self.tp is not None or self.transport is not None:
                 raise ValueError(f"sampled_record has no tp/transport axis: {self}")
-        elif self.family == "sampled_candidates":
-            if self.dtype not in DTYPES or (self.align, self.block, self.tp, self.transport) != (
-                None,
-                None,
-                None,
-                None,
-            ):
-                raise ValueError(f"sampled_candidates has a dtype axis only: {self}")
         elif self.family == "sampled_merge":
             if (self.dtype, self.align, self.block, self.tp, self.transport) != (None,) * 5:
                 raise ValueError(f"sampled_merge has no axis: {self}")

@@ -199,6 +199,49 @@ def test_sampled_verify_fast_mode_on_gpu(tp: int, fp64: bool, with_topk: bool) -
         got = emulate_verify(batch.logits, tp, *a[:5], temps, *a[5:], record_splits=splits, **kw)
         want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
         ok = ~got.fallback
+        assert torch.equal(got.reason != 0, got.fallback)
         assert int(ok.sum()) >= ok.numel() // 3  # most requests run sharded
         for g, w in zip(got[:3], want, strict=True):
             assert torch.equal(g[ok].cpu(), w[ok].cpu())
+
+
+@pytest.mark.parametrize(("dtype", "splits"), [(torch.bfloat16, 1), (torch.float32, 4)])
+def test_record_candidates_on_gpu(dtype: torch.dtype, splits: int) -> None:
+    """The compiled record kernel's candidates (bitonic ``tl.topk`` selection) == each split's
+    top-64 packed keys, with the temperatures whose division is exact in any rounding (1, 0.5,
+    2; 0 = greedy: ``EMPTY_KEY``), planted ties across the 64th value, an all -inf row, a row with
+    10 finite values and padding columns that would win if read."""
+    from shardmax.keys import EMPTY_KEY
+    from shardmax.sampled import (
+        TOPK_CANDIDATES,
+        record_variant,
+        record_words,
+        row_params,
+        sampled_records,
+    )
+    from tests.test_sampled_verify import _split_top_c
+
+    gen = torch.Generator().manual_seed(3)
+    rows, width, num_valid, vocab_start, block = 5, 100032, 100000, 100032, 2048
+    raw = (torch.randn(rows, width, generator=gen) * 2.0).to(dtype)
+    raw[:, num_valid:] = 100.0
+    top = torch.argsort(raw[0, :num_valid].float(), descending=True)
+    raw[0, top[40:100]] = raw[0, top[40]].clone()
+    raw[1] = float("-inf")
+    few = torch.randperm(num_valid, generator=gen)[:10]
+    raw[2] = float("-inf")
+    raw[2, few] = torch.randn(10, generator=gen).to(dtype)
+    temps = torch.tensor([1.0, 0.5, 2.0, 0.0, 0.5])
+    cu = torch.arange(rows + 1, dtype=torch.int32)
+    z = torch.zeros(rows, dtype=torch.int64)
+    params = row_params(z.to(DEV), cu.to(DEV), z.to(DEV), torch.arange(rows, dtype=torch.int32,
+                        device=DEV), temps.to(DEV), torch.arange(rows, device=DEV))  # fmt: skip
+    buf = sampled_records(raw.to(DEV), vocab_start, num_valid, params,
+                          record_variant(dtype, block), False, splits=splits,
+                          with_candidates=True)  # fmt: skip
+    n_rec = splits * rows * (record_words(False) + 1)
+    got = buf[n_rec:].view(splits * rows, TOPK_CANDIDATES).cpu()
+    x = raw.float() / torch.where(temps == 0, 1.0, temps)[:, None]
+    want = _split_top_c(x[:, :num_valid], vocab_start, num_valid, splits, block)
+    want[(temps == 0).repeat(splits)] = EMPTY_KEY
+    assert torch.equal(got, want)

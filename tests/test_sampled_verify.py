@@ -20,6 +20,7 @@ from generator.space import SAMPLED_BLOCKS
 from shardmax import reference
 from shardmax._gumbel import acceptance_uniform_triton
 from shardmax.reference_sampled import apply_temperature, verify_sampled
+from shardmax.sampled import FallbackReason
 from shardmax.testing import emulate_verify, random_verify_batch
 from shardmax.variants import DTYPES
 
@@ -48,6 +49,7 @@ def _run(batch, temps, tp: int, *, fp64: bool = False, block: int | None = None,
 
 def _assert_equal_unflagged(got, want, batch, temps, tp: int) -> int:
     ok = ~got.fallback
+    assert got.reason.dtype == torch.int8 and torch.equal(got.reason != 0, got.fallback)
     for name, g, w in zip(("sampled", "num_sampled", "num_rejected"), got[:3], want, strict=True):
         assert g.dtype == w.dtype, name
         assert torch.equal(g[ok], w[ok]), f"{name} differs at tp={tp}:\n got {g}\nwant {w}"
@@ -193,6 +195,7 @@ def test_ulp_margin_rows_are_flagged(seed: int, tp: int) -> None:
     batch, temps, targets = _margin_batch(seed)
     got, want = _run(batch, temps, tp, block=1024)
     assert targets and all(bool(got.fallback[r]) for r in targets), got.fallback
+    assert all(int(got.reason[r]) == FallbackReason.LSE_MARGIN for r in targets), got.reason
     # non-flagged requests (none of the margin ones) never disagree
     _assert_equal_unflagged(got, want, batch, temps, tp)
 
@@ -302,8 +305,100 @@ def test_topk_guard_and_capacity_fall_back() -> None:
     assert bool(got.fallback[0]) and bool((got.sampled[0] == -1).all())
     assert int(got.num_sampled[0]) == 0 and int(got.num_rejected[0]) == 0
     assert bool(got.fallback[2])  # the row 2 verification starts on is unsafe
+    assert int(got.reason[0]) == FallbackReason.TOPK_CAPACITY
+    assert int(got.reason[2]) == FallbackReason.TOPK_BOUNDARY
     ok = ~got.fallback
     assert bool(ok[1])
+    for g, w in zip(got[:3], want, strict=True):
+        assert torch.equal(g[ok], w[ok])
+
+
+def _split_top_c(x: torch.Tensor, vocab_start: int, num_valid: int, splits: int, block: int):
+    """Expected candidates of the record kernel: per split, the top-64 packed keys of ``x``
+    (value desc, id asc) over its columns, ``EMPTY_KEY`` padding; ``[splits * rows, 64]``."""
+    from shardmax.keys import EMPTY_KEY, pack_keys
+    from shardmax.sampled import TOPK_CANDIDATES as C
+
+    rows = x.shape[0]
+    chunk = math.ceil(math.ceil(num_valid / splits) / block) * block
+    out = torch.full((splits, rows, C), EMPTY_KEY, dtype=torch.int64)
+    for j in range(splits):
+        c0, c1 = min(j * chunk, num_valid), min((j + 1) * chunk, num_valid)
+        if c1 <= c0:
+            continue
+        ids = torch.arange(vocab_start + c0, vocab_start + c1).expand(rows, c1 - c0)
+        keys = pack_keys(x[:, c0:c1], ids)
+        top = torch.topk(keys, min(C, c1 - c0), dim=1).values
+        out[j, :, : top.shape[1]] = top
+    return out.view(splits * rows, C)
+
+
+@pytest.mark.parametrize(("dtype", "splits"), [("bf16", 1), ("fp32", 3), ("fp16", 2)])
+def test_record_kernel_candidates_are_each_splits_exact_top_c(dtype: str, splits: int) -> None:
+    """The record kernel's candidates (candidate steps) == each split's top-64 packed keys of
+    ``x = raw / T`` (ties by lowest id -- bf16 rows are full of ties, planted ties straddle the
+    64th value, -0.0 / +0.0, -inf columns, an all -inf row, a row with 10 finite values, padding
+    columns that would win if read); greedy rows send ``EMPTY_KEY``."""
+    from shardmax.keys import EMPTY_KEY
+    from shardmax.sampled import TOPK_CANDIDATES as C
+    from shardmax.sampled import record_variant, record_words, row_params, sampled_records
+
+    gen = torch.Generator().manual_seed(splits)
+    rows, width, num_valid, vocab_start, block = 6, 5000, 4900, 1000, 1024
+    raw = (torch.randn(rows, width, generator=gen) * 2.0).to(TORCH_DTYPE[dtype])
+    raw[:, num_valid:] = 100.0  # padding: never read
+    top = torch.argsort(raw[0, :num_valid].float(), descending=True)
+    raw[0, top[50:90]] = raw[0, top[50]].clone()  # a tie group across the 64th place
+    raw[1, :num_valid:2] = -0.0
+    raw[1, 1:num_valid:2] = 0.0
+    raw[2] = float("-inf")
+    raw[3, :3000] = float("-inf")
+    few = torch.randperm(num_valid, generator=gen)[:10]  # 10 finite values, then -inf ties
+    raw[5] = float("-inf")
+    raw[5, few] = torch.randn(10, generator=gen).to(raw.dtype)
+    temps = torch.tensor([1.0, 0.7, 1.3, 0.5, 0.0, 1.0])
+    cu = torch.arange(rows + 1, dtype=torch.int32)
+    params = row_params(torch.zeros(rows, dtype=torch.int64), cu, torch.zeros(rows, dtype=torch.int64),
+                        torch.arange(rows, dtype=torch.int32), temps,
+                        torch.arange(rows, dtype=torch.int64))  # fmt: skip
+    buf = sampled_records(raw, vocab_start, num_valid, params, record_variant(raw.dtype, block),
+                          False, splits=splits, with_candidates=True)  # fmt: skip
+    n_rec = splits * rows * (record_words(False) + 1)
+    got = buf[n_rec:].view(splits * rows, C)
+    x = raw.float() / torch.where(temps == 0, 1.0, temps)[:, None]
+    want = _split_top_c(x[:, :num_valid], vocab_start, num_valid, splits, block)
+    greedy = (temps == 0).repeat(splits)
+    want[greedy] = EMPTY_KEY
+    assert torch.equal(got, want)
+
+
+def test_candidate_overflow_falls_back() -> None:
+    """A row whose largest values all sit in one lane group of the record kernel (period 128
+    columns = ``SELECTION_GROUPS``): more than ``CANDIDATE_CAPACITY`` keys reach the selection
+    threshold, the split's candidates are unknown, and the top-k request on that row falls back
+    (TOPK_BOUNDARY); the other requests still match the reference."""
+    from shardmax.sampled import CANDIDATE_CAPACITY, SELECTION_GROUPS
+
+    block, width = 1024, 40 * 1024
+    n_max = width // SELECTION_GROUPS
+    assert n_max > CANDIDATE_CAPACITY
+    batch, temps = _batch(4, 1, width, seed=12, prefill_prob=0.0)
+    slots = batch.idx_mapping.long()
+    temps[slots] = 1.0
+    row = int(batch.cu_num_logits[1])  # request 1's first row
+    batch.logits[row] = torch.rand(width) * 0.01
+    batch.logits[row, ::SELECTION_GROUPS] = 10.0 + torch.arange(n_max) * 0.1  # well spaced
+    top_k = torch.zeros(batch.max_num_reqs, dtype=torch.int64)
+    top_k[slots] = 20
+    top_p = torch.ones(batch.max_num_reqs)
+    top_p[slots[2]] = 0.9
+    a = batch.args()
+    kw = dict(batch.kwargs(), top_k=top_k, top_p=top_p)
+    got = emulate_verify(batch.logits, 1, *a[:5], temps, *a[5:], record_block=block, **kw)
+    want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
+    assert bool(got.fallback[1]) and int(got.reason[1]) == FallbackReason.TOPK_BOUNDARY
+    ok = ~got.fallback
+    assert int(ok.sum()) >= 2
     for g, w in zip(got[:3], want, strict=True):
         assert torch.equal(g[ok], w[ok])
 
@@ -357,8 +452,11 @@ def test_top_p_guard_falls_back() -> None:
     # request 0: flat rows, p = 0.99 -> nucleus of ~1900 ids, far beyond 64 candidates
     batch.logits[cu[0] : cu[1]] = torch.randn(cu[1] - cu[0], 2000) * 0.01
     top_p[slots[0]] = 0.99
-    # request 1: a tie between the last kept and the first excluded value of its first row
+    # request 1: a tie between the last kept and the first excluded value of its first row (a
+    # peaked row, so that the nucleus fits in the candidates and the tie is what fails)
     row = batch.logits[cu[1]]
+    row.copy_(torch.randn(2000) * 0.5 - 10.0)
+    row[torch.randperm(2000)[:12]] = 5.0 - 0.4 * torch.arange(12.0)
     x = row.clone()
     order = torch.sort(x, descending=True, stable=True).indices
     prob = torch.softmax(x.double(), 0)[order]
@@ -373,6 +471,8 @@ def test_top_p_guard_falls_back() -> None:
     want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
     assert bool(got.fallback[0]) and bool(got.fallback[1])
     assert not bool(got.fallback[2])
+    assert int(got.reason[0]) == FallbackReason.NUCLEUS_NOT_COVERED
+    assert int(got.reason[1]) == FallbackReason.NUCLEUS_TIE_STRADDLE, got.reason
     first = int(got.sampled[2, 0])
     assert first == int(torch.argmax(batch.logits[cu[2]]))  # accepted argmax or resampled top-1
     ok = ~got.fallback
@@ -383,6 +483,18 @@ def test_top_p_guard_falls_back() -> None:
         t[slots[0]] = bad
         with pytest.raises(ValueError, match=name):
             emulate_verify(batch.logits, 2, *a[:5], temps, *a[5:], **{**batch.kwargs(), name: t})
+
+
+def test_fallback_reason_codes_match_the_guard() -> None:
+    """The nucleus codes of :class:`FallbackReason` are :class:`GuardReason`'s (same numbers), so
+    the per-request reason can be read with either enum."""
+    from shardmax.reference_nucleus import GuardReason
+
+    for g in GuardReason:
+        if g != GuardReason.OK:
+            f = FallbackReason(int(g))
+            assert f.name.removeprefix("NUCLEUS_") == g.name, (f, g)
+    assert len({int(f) for f in FallbackReason}) == len(FallbackReason)
 
 
 def test_strict_mode_not_implemented() -> None:
@@ -405,6 +517,7 @@ def test_nan_rows_of_sampled_requests_fall_back() -> None:
     a = batch.args()
     got = emulate_verify(batch.logits, 2, *a[:5], temps, *a[5:], record_block=4096)
     assert bool(got.fallback.all())
+    assert bool((got.reason == FallbackReason.NON_FINITE).all())
     # a NaN only in rows the decision does not use (past a rejection) is not flagged
     batch.logits[batch.cu_num_logits[:-1].long(), 5] = 0.0
     last = batch.cu_num_logits[1:].long() - 1
@@ -436,3 +549,31 @@ def test_public_op_single_rank() -> None:
         vocab_start=0,
     )
     assert empty.sampled.shape == (0, 4) and empty.fallback.dtype == torch.bool
+
+
+def test_min_p_survivors_past_the_merged_capacity_fall_back() -> None:
+    """Every record split holds all of its min-p survivors (50 < 64 each) but their union (200)
+    is more than the merged list keeps: the survivors are not known, the request falls back with
+    MIN_P_NOT_COVERED instead of renormalising top-p over the first 64."""
+    batch, temps = _batch(3, 1, 8192, seed=31, prefill_prob=0.0)
+    slots = batch.idx_mapping.long()
+    temps[slots] = 1.0
+    gen = torch.Generator().manual_seed(5)
+    row = int(batch.cu_num_logits[1])
+    batch.logits[row] = torch.randn(8192, generator=gen) * 0.1
+    for j in range(4):  # 50 survivors in each of the 4 splits of 2048 columns
+        cols = j * 2048 + torch.randperm(2048, generator=gen)[:50]
+        batch.logits[row, cols] = 10.0 + torch.rand(50, generator=gen)
+    min_p = torch.zeros(batch.max_num_reqs)
+    min_p[slots] = 0.05
+    top_p = torch.ones(batch.max_num_reqs)
+    top_p[slots] = 0.95
+    a = batch.args()
+    kw = dict(batch.kwargs(), top_p=top_p, min_p=min_p)
+    got = emulate_verify(batch.logits, 1, *a[:5], temps, *a[5:], record_block=1024,
+                         record_splits=4, **kw)  # fmt: skip
+    want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
+    assert bool(got.fallback[1]) and int(got.reason[1]) == FallbackReason.MIN_P_NOT_COVERED
+    ok = ~got.fallback
+    for g, w in zip(got[:3], want, strict=True):
+        assert torch.equal(g[ok], w[ok])

@@ -741,9 +741,12 @@ def _verify_sampled(
     # One host read per sampled step; identical on every rank, so all ranks take the same branch
     # (the native re-run's collectives stay matched).
     if bool(res.fallback.any()):
+        from shardmax.sampled import FallbackReason
+
+        first = FallbackReason(int(res.reason[res.fallback].view(-1)[0]))
         _fallback(
             "sampled_fallback_reruns",
-            "sharded_verify flagged a request (interval test / NaN or inf row); step re-run natively",
+            f"sharded_verify flagged a request ({first.name}); step re-run natively",
         )
         return native(runner, hidden_states, input_batch, grammar_output)
     out = _sampler_output(res.sampled, res.num_sampled, res.num_rejected)
