@@ -21,6 +21,8 @@ Functions:
 * :func:`exact_nucleus_keep` -- the exact nucleus of each row, after min-p and top-k.
 * :func:`candidates_of` -- every rank's top-``C`` ``(value, id)`` of a vLLM-sharded row.
 * :func:`nucleus_guard` -- the guard for one row from the merged candidates, with the reason.
+* :func:`split_pipeline_model_keep` -- a model of vLLM's split top-p pivot search (converged or
+  the superset it falls back to), to check the guard's convergence rule against.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = [
     "lse_error_bound",
     "min_p_keep",
     "nucleus_guard",
+    "split_pipeline_model_keep",
     "top_k_keep",
 ]
 
@@ -321,3 +324,66 @@ def nucleus_guard(
     if not ok:
         return NucleusDecision(GuardReason.NOT_CONVERGED)
     return NucleusDecision(GuardReason.OK, tuple(int(i) for i in ids[:j]))
+
+
+SPLIT_ROUNDS = 5
+SPLIT_LADDER = 8
+
+
+def split_pipeline_model_keep(x: torch.Tensor, top_p: float) -> tuple[torch.Tensor, bool]:
+    """A model of vLLM's split top-p pipeline on one processed row: ``(keep bool [V], converged)``.
+
+    From the research description (§1.1), in fp64 -- it models the search's *structure*, not
+    vLLM's fp32 rounding or its slicing, and is no vLLM code: probabilities
+    ``prob = exp(x - M) / Z``; ``SPLIT_ROUNDS`` rounds, each evaluating a geometric ladder of
+    ``SPLIT_LADDER`` pivots strictly inside the current bracket (first bracket:
+    ``exp(min - M) / Z`` .. ``1 / Z``); a pivot ``q`` is accepted when the mass above it,
+    ``m(q) = sum(prob[prob > q])``, reaches ``p`` and ``m(q) - b * count(b) < p`` for the
+    smallest kept probability ``b`` -- the kept value groups are then the nucleus's, and the
+    boundary group's duplicates are kept in index order up to what ``p`` needs (so a converged
+    search returns :func:`exact_nucleus_keep`'s set). Otherwise the bracket narrows to the two
+    ladder pivots around ``p``; after the last round the largest evaluated pivot with
+    ``m(q) >= p`` is used (a superset of the nucleus), or no mask at all.
+
+    Raises:
+        ValueError: ``x`` is not a 1-D float tensor with a finite value, or ``top_p`` is not in
+            ``(0, 1]``.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 1 or not x.is_floating_point():
+        raise ValueError(f"x: expected a 1-D float tensor, got {getattr(x, 'shape', type(x))}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p: expected a value in (0, 1], got {top_p}")
+    x64 = x.to(torch.float64)
+    finite = torch.isfinite(x64)
+    if not bool(finite.any()):
+        raise ValueError("x: no finite value")
+    exact = exact_nucleus_keep(x.to(torch.float32)[None], torch.tensor([top_p]))[0]
+    if top_p >= 1.0:
+        return exact, True
+    m = float(x64[finite].max())
+    prob = torch.where(finite, torch.exp(x64 - m), torch.zeros_like(x64))
+    prob = prob / prob.sum()
+    lo_log = math.log(float(prob[finite].min()))
+    hi_log = math.log(float(prob.max()))
+    best: float | None = None  # the largest evaluated pivot whose mass reaches p
+    steps = torch.arange(1, SPLIT_LADDER + 1, dtype=torch.float64) / (SPLIT_LADDER + 1)
+    for _ in range(SPLIT_ROUNDS):
+        qs = torch.exp(lo_log + (hi_log - lo_log) * steps)
+        above = prob[None, :] > qs[:, None]  # [ladder, V]
+        masses = (above * prob[None, :]).sum(dim=1)
+        for i in range(SPLIT_LADDER):
+            mass = float(masses[i])
+            if mass < top_p:
+                continue
+            best = max(best, float(qs[i])) if best is not None else float(qs[i])
+            b = float(prob[above[i]].min())
+            if mass - b * int((prob[above[i]] == b).sum()) < top_p:
+                return exact, True
+        n_reach = int((masses >= top_p).sum())  # the ladder's lower pivots reach p
+        if n_reach > 0:
+            lo_log = math.log(float(qs[n_reach - 1]))
+        if n_reach < SPLIT_LADDER:
+            hi_log = math.log(float(qs[n_reach]))
+    if best is None:
+        return torch.ones_like(finite), False
+    return (prob > best) | (x64 == m), False

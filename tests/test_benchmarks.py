@@ -348,7 +348,11 @@ def test_nucleus_study_smoke(tmp_path: Path) -> None:
         and c["c"] == 16
     )  # fmt: skip
     assert ns.recommend_c(cells) in ns.CS
+    split = [c for c in cells if c["pipeline"] == "split"]
+    assert all(c["passed_model_differs"] == 0 for c in split)  # the guard's convergence rule
+    assert all(c["model_differs"] == "" for c in cells if c["pipeline"] == "monolithic")
     paths = ns.write(cells, tmp_path)
     assert all(p.exists() and p.stat().st_size > 0 for p in paths.values())
     assert "Recommended default C" in paths["md"].read_text()
+    assert "split top-p pipeline (modelled)" in paths["md"].read_text()
     assert ns.read_cells(paths["csv"]) == cells  # --from-csv re-renders the same numbers

@@ -217,3 +217,23 @@ def test_sampled_merge_keeps_the_exact_nucleus(rows_in_step: int) -> None:
     safe = unsafe == 0
     assert int(safe.sum()) >= n // 3
     assert torch.equal(keep[safe].to(torch.int64), want[safe]), (keep[safe], want[safe])
+
+
+def test_split_pipeline_model() -> None:
+    """The modelled split top-p search: a peaked row converges to the exact nucleus; a flat row
+    (every probability on the ladder's end point) never converges and keeps everything, a
+    superset the guard must not pass."""
+    from shardmax.reference_nucleus import split_pipeline_model_keep
+
+    x = _zipf_rows(1, 3000, [1.5], seed=3)[0]
+    keep, converged = split_pipeline_model_keep(x, 0.9)
+    assert converged
+    assert torch.equal(keep, exact_nucleus_keep(x[None], torch.tensor([0.9]))[0])
+    flat = torch.zeros(1000)
+    keep, converged = split_pipeline_model_keep(flat, 0.95)
+    assert not converged and int(keep.sum()) == 1000
+    assert int(exact_nucleus_keep(flat[None], torch.tensor([0.95]))[0].sum()) == 950
+    d, _ = _guard_row(flat, 2, 64, 0.95, 8)
+    assert not d
+    with pytest.raises(ValueError, match="top_p"):
+        split_pipeline_model_keep(flat, 0.0)
