@@ -94,7 +94,7 @@ class FallbackReason(IntEnum):
     reason of the first row its decision used that failed, or ``TOPK_CAPACITY``."""
 
     NONE = 0
-    NUCLEUS_NAN = 1  # top-p / min-p row holding NaN / +inf
+    NUCLEUS_NAN = 1  # (GuardReason.NAN; sharded_verify reports such rows as NON_FINITE)
     NUCLEUS_NOT_COVERED = 2  # the nucleus or the first excluded value is past the candidates
     NUCLEUS_MASS_MARGIN = 3  # the mass at the boundary is within rounding of p
     NUCLEUS_TIE_STRADDLE = 4  # the last kept and the first excluded value are equal
@@ -409,6 +409,7 @@ def merge_candidates(
     top_p: torch.Tensor | None,
     min_p: torch.Tensor | None,
     *,
+    vocab: int,
     rows_in_step: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Every rank, on the gathered ``[tp, n]`` buffers: the merged candidates (int64
@@ -441,6 +442,7 @@ def merge_candidates(
         min_p if min_p is not None else dummy,
         rows,
         rows if rows_in_step is None else rows_in_step,
+        vocab,
         tp,
         splits,
         n,
@@ -492,7 +494,7 @@ def finish_gathered(
         words = record_words(use_fp64_gumbel) + 1
         cand, keep, unsafe = merge_candidates(
             gathered, splits, rows, words, cu_num_logits, idx_mapping, temperature,
-            top_k, top_p, min_p,
+            top_k, top_p, min_p, vocab=vocab,
         )  # fmt: skip
         if top_k is None:  # candidates for top-p / min-p only: top-k off everywhere
             top_k = torch.zeros(temperature.shape[0], dtype=torch.int32, device=cand.device)

@@ -209,7 +209,7 @@ def test_sampled_merge_keeps_the_exact_nucleus(rows_in_step: int) -> None:
     cu = torch.arange(n + 1, dtype=torch.int32)
     merged, keep, unsafe = merge_candidates(
         gathered, 1, n, 4, cu, torch.arange(n, dtype=torch.int32), torch.ones(n), top_k,
-        top_p.double(), min_p, rows_in_step=rows_in_step,
+        top_p.double(), min_p, vocab=vocab, rows_in_step=rows_in_step,
     )  # fmt: skip
     assert keep is not None and unsafe is not None
     assert torch.equal(merged, cand)  # one part: its whole list is the exact prefix

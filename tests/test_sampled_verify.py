@@ -376,7 +376,8 @@ def test_candidate_overflow_falls_back() -> None:
     """A row whose largest values all sit in one lane group of the record kernel (period 128
     columns = ``SELECTION_GROUPS``): more than ``CANDIDATE_CAPACITY`` keys reach the selection
     threshold, the split's candidates are unknown, and the top-k request on that row falls back
-    (TOPK_BOUNDARY); the other requests still match the reference."""
+    (TOPK_BOUNDARY), as does the top-p request on another such row (NUCLEUS_NOT_COVERED); the
+    other requests still match the reference."""
     from shardmax.sampled import CANDIDATE_CAPACITY, SELECTION_GROUPS
 
     block, width = 1024, 40 * 1024
@@ -386,19 +387,23 @@ def test_candidate_overflow_falls_back() -> None:
     slots = batch.idx_mapping.long()
     temps[slots] = 1.0
     row = int(batch.cu_num_logits[1])  # request 1's first row
-    batch.logits[row] = torch.rand(width) * 0.01
-    batch.logits[row, ::SELECTION_GROUPS] = 10.0 + torch.arange(n_max) * 0.1  # well spaced
+    for r in (row, int(batch.cu_num_logits[3])):  # requests 1 (top-k) and 3 (top-p only)
+        batch.logits[r] = torch.rand(width) * 0.01
+        batch.logits[r, ::SELECTION_GROUPS] = 10.0 + torch.arange(n_max) * 0.1  # well spaced
     top_k = torch.zeros(batch.max_num_reqs, dtype=torch.int64)
     top_k[slots] = 20
     top_p = torch.ones(batch.max_num_reqs)
     top_p[slots[2]] = 0.9
+    top_k[slots[3]] = 0
+    top_p[slots[3]] = 0.9
     a = batch.args()
     kw = dict(batch.kwargs(), top_k=top_k, top_p=top_p)
     got = emulate_verify(batch.logits, 1, *a[:5], temps, *a[5:], record_block=block, **kw)
     want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
     assert bool(got.fallback[1]) and int(got.reason[1]) == FallbackReason.TOPK_BOUNDARY
+    assert int(got.reason[3]) == FallbackReason.NUCLEUS_NOT_COVERED  # no top-k on request 3
     ok = ~got.fallback
-    assert int(ok.sum()) >= 2
+    assert bool(ok[0])  # request 0 (top-k 20, ordinary rows) runs sharded
     for g, w in zip(got[:3], want, strict=True):
         assert torch.equal(g[ok], w[ok])
 
@@ -574,6 +579,26 @@ def test_min_p_survivors_past_the_merged_capacity_fall_back() -> None:
                          record_splits=4, **kw)  # fmt: skip
     want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
     assert bool(got.fallback[1]) and int(got.reason[1]) == FallbackReason.MIN_P_NOT_COVERED
+    ok = ~got.fallback
+    for g, w in zip(got[:3], want, strict=True):
+        assert torch.equal(g[ok], w[ok])
+
+
+def test_top_k_at_least_vocab_is_off_for_min_p() -> None:
+    """A tiny vocabulary (V=40 < 64 candidates) with top-k 50 >= V (off, as in vLLM) and min-p:
+    the requests run sharded like top-k 0 would (the min-p/top-k tail rule must not fire)."""
+    batch, temps = _batch(4, 1, 40, seed=41, prefill_prob=0.0)
+    slots = batch.idx_mapping.long()
+    temps[slots] = 1.0
+    top_k = torch.zeros(batch.max_num_reqs, dtype=torch.int64)
+    top_k[slots] = 50
+    min_p = torch.zeros(batch.max_num_reqs)
+    min_p[slots] = 0.1
+    a = batch.args()
+    kw = dict(batch.kwargs(), top_k=top_k, min_p=min_p)
+    got = emulate_verify(batch.logits, 2, *a[:5], temps, *a[5:], record_block=1024, **kw)
+    want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
+    assert int((~got.fallback).sum()) >= 2, got.reason
     ok = ~got.fallback
     for g, w in zip(got[:3], want, strict=True):
         assert torch.equal(g[ok], w[ok])
