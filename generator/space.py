@@ -83,9 +83,18 @@ def sampled_variants() -> Iterator[VariantKey]:
         yield VariantKey("sampled_finish", tp=tp, transport="allgather")
 
 
+def strict_variants() -> Iterator[VariantKey]:
+    """Strict mode of sampled verification: vLLM's block statistics per (dtype of the tensor
+    vLLM reads, whether its row stride is a multiple of 16), and vLLM's LSE combine."""
+    for dtype in DTYPES:
+        for align in ALIGNMENTS:
+            yield VariantKey("block_stats", dtype=dtype, align=align)
+    yield VariantKey("strict_lse")
+
+
 def all_variants() -> list[VariantKey]:
     """Every variant, in a fixed order (the MANIFEST order)."""
-    return [*local_variants(), *finish_variants(), *sampled_variants()]
+    return [*local_variants(), *finish_variants(), *sampled_variants(), *strict_variants()]
 
 
 TEMPLATE_OF_FAMILY = {
@@ -95,6 +104,8 @@ TEMPLATE_OF_FAMILY = {
     "sampled_record": "sampled_record.py.j2",
     "sampled_finish": "sampled_finish.py.j2",
     "sampled_merge": "sampled_merge.py.j2",
+    "block_stats": "block_stats.py.j2",
+    "strict_lse": "strict_lse.py.j2",
 }
 
 
@@ -107,7 +118,9 @@ def template_context(key: VariantKey) -> dict[str, object]:
         )
     elif key.family == "sampled_record":
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], block=key.block)
-    elif key.family != "sampled_merge":
+    elif key.family == "block_stats":
+        ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align)
+    elif key.family not in ("sampled_merge", "strict_lse"):
         ctx.update(
             transport=key.transport,
             tp=key.tp,

@@ -50,6 +50,14 @@ from shardmax.collectives import Collective, resolve
 from shardmax.geometry import check_geometry
 from shardmax.ops import validate_verify_inputs
 from shardmax.reference_nucleus import SPLIT_PIPELINE_MAX_ROWS
+from shardmax.strict import (
+    StrictPlan,
+    extras_words,
+    rank_extras,
+    rebuild_block_stats,
+    replay_kept,
+    strict_lse,
+)
 from shardmax.validation import SUPPORTED_DTYPES, check_index_tensor, value_checks_enabled
 from shardmax.variants import VariantKey, build_name, finish_variant
 
@@ -163,13 +171,6 @@ def validate_sampled_inputs(
     min_p: torch.Tensor | None = None,
 ) -> _Checked:
     """Every check of :func:`sharded_verify` (those of the greedy op + sampling state)."""
-    if mode == "strict":
-        raise NotImplementedError(
-            "sharded_verify(mode='strict') is not implemented yet: strict mode needs vLLM's "
-            "per-8192-block stats and the raw values of the blocks cut by shard edges "
-            "(research §2.2/§2.5); use mode='fast' and verify the requests marked in "
-            "`fallback` the native way"
-        )
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if not isinstance(use_fp64_gumbel, bool):
@@ -248,6 +249,36 @@ def validate_sampled_inputs(
         probs["top_p"].to(torch.float64).contiguous() if "top_p" in probs else None,
         probs["min_p"].to(torch.float32).contiguous() if "min_p" in probs else None,
     )
+
+
+def chunk_needs_processing(
+    idx_mapping: torch.Tensor,
+    temperature: torch.Tensor,
+    vocab: int,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    *,
+    count_temperature: bool = True,
+) -> bool:
+    """vLLM's chunk gate (``Sampler.apply_sampling_params``, research §1.1): True when a request of
+    the batch needs logits processing -- ``T != 0`` and (``T != 1``, ``min_p != 0``, ``0 < k <
+    V`` or ``top_p != 1``) -- so vLLM verifies an fp32 processed copy; False: it verifies the raw
+    model-dtype logits. Reads the used slots on the host (a device sync). Logits processors
+    (penalties, bias, bad words, custom) also make vLLM process a chunk; shardmax does not see
+    them: a caller that has them passes ``logits_processed=True`` to :func:`sharded_verify`.
+    ``count_temperature=False``: only the top-k / top-p / min-p rules count."""
+    slots = idx_mapping.long()
+    t = temperature[slots]
+    need = (t != 1.0) if count_temperature else torch.zeros_like(t, dtype=torch.bool)
+    if top_k is not None:
+        k = top_k[slots].long()
+        need |= (k > 0) & (k < vocab)
+    if top_p is not None:
+        need |= top_p[slots] != 1.0
+    if min_p is not None:
+        need |= min_p[slots] != 0.0
+    return bool(((t != 0.0) & need).any())
 
 
 def _row_request_slot(
@@ -373,6 +404,25 @@ def sampled_records(
     return buf
 
 
+MAX_CHUNK_BYTES = 2**30
+"""vLLM's cap on the fp32 logits copy of one verification chunk (``rejection_sampler.py``):
+a chunk holds at most ``max(1, 2**30 // (4 * V))`` logits rows."""
+
+
+def max_chunk_rows(vocab: int) -> int:
+    """Logits rows of one vLLM verification chunk (vLLM 0.32 ``get_max_chunk_logits``)."""
+    return max(1, MAX_CHUNK_BYTES // (4 * vocab))
+
+
+class StrictStep(NamedTuple):
+    """What strict mode needs to know about a step besides the batch (same on every rank)."""
+
+    plan: StrictPlan  # where each 8192-block is reduced (shardmax.strict.plan)
+    processed: bool  # vLLM verifies an fp32 processed copy (else the raw logits)
+    dtype: torch.dtype  # the ranks' logits dtype
+    width: int  # padded local width W of every rank
+
+
 def local_buffer(
     local_logits: torch.Tensor,
     vocab_start: int,
@@ -382,10 +432,13 @@ def local_buffer(
     use_fp64_gumbel: bool,
     splits: int,
     with_candidates: bool,
+    strict: StrictStep | None = None,
+    rank: int = 0,
 ) -> torch.Tensor:
     """What one rank contributes to the step's all_gather: int64 ``[1, n]``
-    (:func:`sampled_records`); ``n`` is the same on every rank."""
-    return sampled_records(
+    (:func:`sampled_records`, then in strict mode :func:`shardmax.strict.rank_extras` of rank
+    ``rank``); ``n`` is the same on every rank."""
+    buf = sampled_records(
         local_logits,
         vocab_start,
         num_valid,
@@ -394,7 +447,49 @@ def local_buffer(
         use_fp64_gumbel,
         splits=splits,
         with_candidates=with_candidates,
-    ).view(1, -1)
+    )
+    if strict is not None:
+        tp = len(strict.plan.starts)
+        extras = rank_extras(strict.plan, rank, local_logits, strict.processed, params[0], tp)
+        buf = torch.cat([buf, extras])
+    return buf.view(1, -1)
+
+
+def _strict_lse(
+    gathered: torch.Tensor,
+    strict: StrictStep,
+    rows: int,
+    cu_num_logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    temperature: torch.Tensor,
+    vocab: int,
+    candidates: torch.Tensor | None,
+    top_k: torch.Tensor | None,
+    keep: torch.Tensor | None,
+) -> torch.Tensor:
+    """Every rank: vLLM's fp32 LSE of every row from the gathered strict extras (the tail of each
+    rank's buffer); rows that keep a top-k / top-p / min-p set replay it from the candidates."""
+    p = strict.plan
+    n_extra = extras_words(p, rows, strict.dtype)
+    extras = gathered[:, gathered.shape[1] - n_extra :]
+    slot = _row_request_slot(cu_num_logits, idx_mapping, rows)[1]
+    temp_row = temperature[slot].contiguous()
+    g_max, g_sum = rebuild_block_stats(
+        p, extras, rows, strict.dtype, strict.processed, temp_row, len(p.starts), strict.width
+    )
+    if candidates is not None:
+        kept = torch.zeros(rows, dtype=torch.int64, device=gathered.device)
+        if top_k is not None:
+            kk = top_k[slot].to(torch.int64)
+            on = (temp_row != 0.0) & (kk > 0) & (kk < vocab) & (kk < TOPK_CANDIDATES)
+            kept = torch.where(on, kk, kept)
+        if keep is not None:
+            kept = torch.where(keep > 0, keep.to(torch.int64), kept)
+        r_max, r_sum = replay_kept(candidates, kept, vocab)
+        on_rows = (kept > 0)[:, None]
+        g_max = torch.where(on_rows, r_max, g_max)
+        g_sum = torch.where(on_rows, r_sum, g_sum)
+    return strict_lse(g_max, g_sum)
 
 
 def merge_candidates(
@@ -481,9 +576,11 @@ def finish_gathered(
     use_fp64_gumbel: bool,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    strict: StrictStep | None = None,
 ) -> VerifyResult:
     """Every rank: ``[tp, n]`` gathered buffers -> :class:`VerifyResult`. On a candidate step
-    the ranks' candidates are merged first (:func:`merge_candidates`)."""
+    the ranks' candidates are merged first (:func:`merge_candidates`); in strict mode vLLM's
+    LSE of every row is rebuilt from the extras (:mod:`shardmax.strict`)."""
     rows = draft_sampled.shape[0]
     gathered = gathered.contiguous()
     n = gathered.shape[1]
@@ -498,6 +595,12 @@ def finish_gathered(
         )  # fmt: skip
         if top_k is None:  # candidates for top-p / min-p only: top-k off everywhere
             top_k = torch.zeros(temperature.shape[0], dtype=torch.int32, device=cand.device)
+    lse = None
+    if strict is not None:
+        lse = _strict_lse(
+            gathered, strict, rows, cu_num_logits, idx_mapping, temperature, vocab, cand,
+            top_k, keep,
+        )  # fmt: skip
     parts = tp * splits  # rank-major, then split-major: N records per row
     return sampled_finish(
         gathered,
@@ -521,6 +624,7 @@ def finish_gathered(
         candidates=cand,
         keep=keep,
         unsafe=unsafe,
+        lse=lse,
     )
 
 
@@ -547,12 +651,14 @@ def sampled_finish(
     candidates: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
     unsafe: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Finish: gathered records -> :class:`VerifyResult` (one program per request).
 
     ``tp`` = parts per row (ranks x ``splits``); part ``e`` of a row starts at word
     ``(e // splits) * rank_words + (e % splits) * num_logits * W``; ``candidates`` = the merged
-    ``[num_logits, TOPK_CANDIDATES]`` keys of a top-k step (required with ``top_k``)."""
+    ``[num_logits, TOPK_CANDIDATES]`` keys of a top-k step (required with ``top_k``); ``lse``
+    (fp32 ``[num_logits]``, strict mode) vLLM's LSE of every row, used instead of the records'."""
     mod = kernels.load(variant)
     num_reqs = idx_mapping.shape[0]
     k = num_speculative_steps
@@ -593,6 +699,7 @@ def sampled_finish(
         num_rejected,
         fallback,
         reason,
+        lse if lse is not None else dummy_i32,
         draft_sampled.shape[0],
         tp,
         splits,
@@ -607,9 +714,57 @@ def sampled_finish(
         HAS_TOPK=top_k is not None,
         CAND=TOPK_CANDIDATES,
         HAS_KEEP=keep is not None,
+        STRICT=lse is not None,
         num_warps=1,
     )
     return VerifyResult(sampled, num_sampled, num_rejected, fallback.bool(), reason)
+
+
+def strict_step(
+    geometry: list[tuple[int, int]],
+    dtype: torch.dtype,
+    width: int,
+    rows: int,
+    idx_mapping: torch.Tensor,
+    chk: _Checked,
+    logits_processed: bool | None,
+) -> StrictStep:
+    """The :class:`StrictStep` of a batch: the strict layout of the geometry and vLLM's chunk
+    gate (``logits_processed``, or :func:`chunk_needs_processing` when None).
+
+    Raises:
+        ValueError: the batch has more logits rows than one vLLM verification chunk
+            (:func:`max_chunk_rows`: vLLM would gate each chunk separately), the ranks' ranges
+            leave a gap, or ``logits_processed`` is not a bool / None.
+    """
+    from shardmax.strict import plan
+
+    p = plan(geometry)
+    if rows > max_chunk_rows(p.vocab):
+        raise ValueError(
+            f"mode='strict': {rows} logits rows exceed one vLLM verification chunk "
+            f"({max_chunk_rows(p.vocab)} rows at V={p.vocab}); call once per chunk"
+        )
+    if logits_processed is None:
+        processed = chunk_needs_processing(
+            idx_mapping, chk.temperature, p.vocab, chk.top_k, chk.top_p, chk.min_p
+        )
+    elif isinstance(logits_processed, bool):
+        processed = logits_processed
+    else:
+        raise TypeError(
+            f"logits_processed: expected a bool or None, got {type(logits_processed).__name__}"
+        )
+    candidates = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
+    if not processed and candidates and chunk_needs_processing(
+        idx_mapping, chk.temperature, p.vocab, chk.top_k, chk.top_p, chk.min_p,
+        count_temperature=False,
+    ):  # fmt: skip
+        raise ValueError(
+            "logits_processed: False, but a request of the batch has top-k / top-p / min-p "
+            "active, which makes vLLM process the chunk"
+        )
+    return StrictStep(p, processed, dtype, width)
 
 
 def _empty(k: int, dev: torch.device) -> VerifyResult:
@@ -644,6 +799,7 @@ def sharded_verify(
     group: Any = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    logits_processed: bool | None = None,
 ) -> VerifyResult:
     """Speculative verification of greedy and sampled requests from vocab shards.
 
@@ -728,6 +884,13 @@ def sharded_verify(
     # from the padded shard width, not num_valid: every rank must pick the same S
     splits = record_splits(logits.shape[0], logits.shape[1], DEFAULT_RECORD_BLOCK, logits.device)
     with_candidates = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
+    strict = None
+    if mode == "strict":
+        geometry = check_geometry(coll, logits, chk.vocab_start, chk.num_valid)
+        strict = strict_step(
+            geometry, logits.dtype, logits.shape[1], logits.shape[0], idx_mapping, chk,
+            logits_processed,
+        )  # fmt: skip
     buf = local_buffer(
         logits,
         chk.vocab_start,
@@ -737,6 +900,8 @@ def sharded_verify(
         use_fp64_gumbel,
         splits,
         with_candidates,
+        strict,
+        coll.rank,
     )
     return finish_gathered(
         coll.all_gather_dim0(buf),
@@ -758,4 +923,5 @@ def sharded_verify(
         use_fp64_gumbel,
         chk.top_p,
         chk.min_p,
+        strict,
     )

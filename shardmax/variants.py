@@ -13,6 +13,8 @@ fixed order and are present only when the family has that axis::
     sampled_record_bf16_b2048       sampled verification, local stage: shard -> fixed-size records
     sampled_finish_tp4_allgather    sampled verification finish after all_gather(dim=0) of records
     sampled_merge                   candidate steps: merge of the ranks' candidates + nucleus
+    block_stats_fp32_va1            strict mode: vLLM's 8192-block (max, sumexp), vLLM's layout
+    strict_lse                      strict mode: vLLM's cross-block LSE combine
 
 ``tp`` is ``2``, ``4`` or ``8`` (the loop over ranks is unrolled) or ``n`` (any TP size,
 non-powers of two included). Names are valid Python module names.
@@ -31,13 +33,15 @@ FAMILIES = (
     "sampled_record",
     "sampled_finish",
     "sampled_merge",
+    "block_stats",
+    "strict_lse",
 )
 TRANSPORTS = ("allgather", "allreduce")
 UNROLLED_TP = (2, 4, 8)
 
 _NAME_RE = re.compile(
     r"^(?P<family>shard_keys|argmax_pick|verify_finish|sampled_record|sampled_finish"
-    r"|sampled_merge)"
+    r"|sampled_merge|block_stats|strict_lse)"
     r"(?:_(?P<dtype>bf16|fp16|fp32))?"
     r"(?:_va(?P<align>\d+))?"
     r"(?:_b(?P<block>\d+))?"
@@ -70,9 +74,14 @@ class VariantKey:
                 raise ValueError(f"sampled_record needs dtype and block (no align): {self}")
             if self.tp is not None or self.transport is not None:
                 raise ValueError(f"sampled_record has no tp/transport axis: {self}")
-        elif self.family == "sampled_merge":
+        elif self.family in ("sampled_merge", "strict_lse"):
             if (self.dtype, self.align, self.block, self.tp, self.transport) != (None,) * 5:
-                raise ValueError(f"sampled_merge has no axis: {self}")
+                raise ValueError(f"{self.family} has no axis: {self}")
+        elif self.family == "block_stats":
+            if self.dtype not in DTYPES or self.align not in (1, 16):
+                raise ValueError(f"block_stats needs dtype and align 1 or 16: {self}")
+            if (self.block, self.tp, self.transport) != (None,) * 3:
+                raise ValueError(f"block_stats has no block/tp/transport axis: {self}")
         elif self.family == "sampled_finish":
             if self.dtype is not None or self.align is not None or self.block is not None:
                 raise ValueError(f"sampled_finish has no dtype/align/block axis: {self}")

@@ -17,6 +17,7 @@ from shardmax.sampled import (
     local_buffer,
     record_variant,
     row_params,
+    strict_step,
     validate_sampled_inputs,
 )
 from shardmax.testing.shards import default_pad_to, shard_like_vllm
@@ -47,6 +48,7 @@ def emulate_verify(
     record_splits: int = 1,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
+    logits_processed: bool | None = None,
 ) -> VerifyResult:
     """``sharded_verify`` of ``tp_size`` emulated ranks over ``full_logits [num_logits, V]``.
 
@@ -92,6 +94,14 @@ def emulate_verify(
         else record_variant(full_logits.dtype, record_block)
     )
     with_candidates = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
+    strict = None
+    if mode == "strict":
+        geometry = [(sh.vocab_start, sh.num_valid) for sh in shards]
+        width = shards[0].local_logits.shape[1]
+        strict = strict_step(
+            geometry, full_logits.dtype, width, full_logits.shape[0], idx_mapping, chk,
+            logits_processed,
+        )  # fmt: skip
     gathered = torch.cat(
         [
             local_buffer(
@@ -103,8 +113,10 @@ def emulate_verify(
                 use_fp64_gumbel,
                 record_splits,
                 with_candidates,
+                strict,
+                rank,
             )
-            for sh in shards
+            for rank, sh in enumerate(shards)
         ],
         dim=0,
     )
@@ -128,4 +140,5 @@ def emulate_verify(
         use_fp64_gumbel,
         chk.top_p,
         chk.min_p,
+        strict,
     )

