@@ -185,6 +185,10 @@ def step_view(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rec[f"{op}_wire"] = disp.get("wire_bytes_per_rank") if disp else None
             rec[f"{op}_plain_wire"] = plain.get("wire_bytes_per_rank") if plain else None
         for op in ("sampled", "sampled_nucleus"):
+            st = _pick(rows, op=op, path="sharded_strict", **m)
+            rec[f"{op}_strict_us"] = _p50(st) if _ok(st) else float("nan")
+            rec[f"{op}_strict_speedup"] = ratio(rec[f"{op}_plain_us"], rec[f"{op}_strict_us"])
+            rec[f"{op}_strict_wire"] = st.get("wire_bytes_per_rank") if st else None
             fr = next((r.get("flag_rate") for r in rows if r.get("op") == op
                        and r.get("path") == "sharded_fast" and r["dtype"] == dtype
                        and r["rows"] == n), None)  # fmt: skip
@@ -436,6 +440,31 @@ def summary_markdown(local_rows: list[dict[str, Any]], step_rows: list[dict[str,
                   _f(r["sampled_nucleus_flag_rate"], 3), _f(r["verify_speedup"]),
                   str(r["sampled_wire"] or ""), str(r["sampled_plain_wire"] or "")]
                  for r in sampled],
+            ),
+            "",
+        ]  # fmt: skip
+    strict_rows = [r for r in sampled if not math.isnan(r["sampled_strict_us"])]
+    if strict_rows:
+        parts += [
+            "## Sampled verification step, strict mode (vLLM's LSE bits), TP2, V=200064",
+            "",
+            "`sharded_verify(mode=\"strict\")`: the same all_gather also carries vLLM's "
+            "per-8192-block statistics of each rank's whole blocks and the raw values of the "
+            "block the shard edge cuts, so every acceptance decision is vLLM's (no LSE-margin "
+            "fallback). Temperature 1.0 verifies the raw logits (vLLM's chunk gate); with "
+            "top-k / top-p the chunk is processed (an fp32 copy of the shard's blocks, and the "
+            "kept set replayed into an fp32 [rows, V] row). Same plain baseline as above.",
+            "",
+            _table(
+                ["dtype", "rows", "strict us", "fast us", "plain us", "x plain",
+                 "+top-k/top-p strict us", "fast us", "plain us", "x plain",
+                 "wire strict B", "wire fast B"],
+                [[r["dtype"], str(r["rows"]), _f(r["sampled_strict_us"]),
+                  _f(r["sampled_sharded_us"]), _f(r["sampled_plain_us"]),
+                  _f(r["sampled_strict_speedup"]), _f(r["sampled_nucleus_strict_us"]),
+                  _f(r["sampled_nucleus_sharded_us"]), _f(r["sampled_nucleus_plain_us"]),
+                  _f(r["sampled_nucleus_strict_speedup"]), str(r["sampled_strict_wire"] or ""),
+                  str(r["sampled_wire"] or "")] for r in strict_rows],
             ),
             "",
         ]  # fmt: skip

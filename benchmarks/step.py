@@ -32,6 +32,12 @@ Every rank holds its vLLM shard ``[rows, W]`` of the same seeded full logits ``[
 ``sampled_nucleus/sharded_fast``, ``sampled_nucleus/plain``
     the same with top-k 20 and top-p 0.95 on every request (candidates path: each record
     split's top-64 keys ride the all_gather; exact nucleus where the guard passes).
+``sampled/sharded_strict``, ``sampled_nucleus/sharded_strict``
+    ``mode="strict"``: vLLM's acceptance LSE rebuilt bit for bit (:mod:`shardmax.strict`); the
+    same all_gather also carries vLLM's per-8192-block statistics of each rank's whole blocks
+    and the raw values of the block its shard edge cuts. ``logits_processed`` as vLLM's chunk
+    gate decides it: False for the temperature-1.0 batch (vLLM verifies the raw logits), True
+    with top-k / top-p.
 
 Every path is checked against the reference on the full logits before it is timed; timing is
 CUDA-graph replay (fixed counts on every rank, warm-up before capture, barrier before every
@@ -103,6 +109,20 @@ def wire_bytes_per_rank(
 
         return (SAMPLED_RECORD_BYTES + 8 + 8 * TOPK_CANDIDATES) * splits * rows
     raise ValueError(f"unknown path {path!r}")
+
+
+def strict_extra_bytes(rows: int, vocab: int, tp: int, elem_size: int) -> int:
+    """Bytes strict mode adds per rank to the sampled all_gather (vLLM's layout of the shards,
+    :func:`shardmax.strict.extras_words`): 8 per whole local 8192-block and row + the raw pieces
+    of cut blocks in the logits' dtype."""
+    import torch
+
+    from shardmax.strict import extras_words, plan
+    from shardmax.testing.shards import default_pad_to, vllm_shard_ranges
+
+    geometry = [(s, n) for s, n, _ in vllm_shard_ranges(vocab, tp, default_pad_to(vocab, tp))]
+    dtype = {2: torch.bfloat16, 4: torch.float32}[elem_size]
+    return 8 * extras_words(plan(geometry), rows, dtype)
 
 
 def request_counts(rows: int, k: int) -> list[int]:
@@ -495,20 +515,30 @@ class _StepBench:
                     mode="fast", **vkw, **extra,
                 )  # fmt: skip
 
+            def sampled_strict(i: int, extra: Any = extra) -> Any:
+                return shardmax.sharded_verify(
+                    xs[i], *vargs[:5], temps, *vargs[5:], vocab_start=vs, num_valid=nv,
+                    group=self.pg, mode="strict", logits_processed=bool(extra), **vkw, **extra,
+                )  # fmt: skip
+
             wire_s = wire_bytes_per_rank(
                 "sharded_fast" if not extra else "sharded_nucleus", rows, splits=sampled_splits
             )
             variant = f"T={SAMPLED_TEMPERATURE:g} fast" + (
                 f" top_k={NUCLEUS_TOP_K} top_p={NUCLEUS_TOP_P:g}" if extra else ""
             )
+            wire_strict = wire_s + strict_extra_bytes(rows, plan.vocab, tp, es)
             for path, fn, wire in (
                 ("sharded_fast", sampled_sharded, wire_s),
+                ("sharded_strict", sampled_strict, wire_strict),
                 ("plain", sampled_plain, wire_plain),
             ):
                 flagged.clear()
                 self._path(fn, same_sampled, copies,
                            {**base, "op": op, "path": path, "transport": "allgather",
-                            "variant": variant, "dispatched": path != "plain",
+                            "variant": variant.replace(" fast", " strict")
+                            if path == "sharded_strict" else variant,
+                            "dispatched": path == "sharded_fast",
                             "wire_bytes_per_rank": wire},
                            flag_rate=lambda: flagged[0] if flagged else "")  # fmt: skip
 

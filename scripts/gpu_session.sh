@@ -11,11 +11,14 @@
 #                                   vocabularies other than 200064
 #   bash scripts/gpu_session.sh E   the sampled GPU tests (temperature, top-k, top-p, min-p) and the
 #                                   step benchmark (greedy, sampled, sampled_nucleus rows)
+#   bash scripts/gpu_session.sh F   every GPU check (strict mode against vLLM's own kernels
+#                                   included: carry .vllm-kernels from scripts/vllm_kernels.sh),
+#                                   then the step benchmark (fast and strict sampled rows)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A, B, C, D or E}
+STAGE=${1:?stage A, B, C, D, E or F}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -100,6 +103,16 @@ E)
   stamp "step benchmark (greedy + sampled paths)"
   SHARDMAX_TABLES_DIR=$TABLES timeout 200 python3 -m benchmarks --part step --budget-s 170 \
     --out benchmarks/results/sm90 >"$OUT/bench_step.log" 2>&1
+  echo "  rc=$?"
+  tail -30 "$OUT/bench_step.log"
+  ;;
+F)
+  stamp "GPU checks (every gpu/multigpu test; strict mode vs vLLM's kernels)"
+  OUT="$OUT/checks" timeout 330 bash scripts/gpu_checks.sh -s 2>&1 \
+    | grep -E '^\[strict|^GPU test|^test_|^TOTAL|passed|failed|Error' | tail -70
+  stamp "step benchmark (greedy, sampled fast + strict, sampled_nucleus fast + strict)"
+  SHARDMAX_TABLES_DIR=$TABLES timeout "$(left 570)" python3 -m benchmarks --part step \
+    --budget-s "$(left 540)" --out benchmarks/results/sm90 >"$OUT/bench_step.log" 2>&1
   echo "  rc=$?"
   tail -30 "$OUT/bench_step.log"
   ;;

@@ -1,4 +1,4 @@
-"""Sharded verification of sampled (temperature) and greedy requests, compact "fast" mode.
+"""Sharded verification of sampled (temperature, top-k/p, min-p) and greedy requests.
 
 Research ``sampled-verification.md`` §1.2-§1.3 (what vLLM does) and §2.1-§2.4 (design). Data flow
 of one call on one TP rank, one collective per step::
@@ -20,9 +20,11 @@ Exactness (vs :func:`shardmax.reference_sampled.verify_sampled` and vLLM):
 
 * greedy requests (``T == 0``): exactly :func:`shardmax.reference.greedy_verify`;
 * Gumbel resample / bonus tokens and synthetic acceptance: exact (partition-free keys);
-* temperature acceptance: the global LSE is rebuilt from per-rank ``(max, sumexp)`` in fp64, so
-  it is not vLLM's fp32 bits; every row whose decision could differ (interval test, research
-  §2.3) sets ``fallback`` for its request -- all other decisions are vLLM's;
+* temperature acceptance, fast mode: the global LSE is rebuilt from per-rank ``(max, sumexp)``
+  in fp64, so it is not vLLM's fp32 bits; every row whose decision could differ (interval test,
+  research §2.3) sets ``fallback`` for its request -- all other decisions are vLLM's;
+* temperature acceptance, strict mode: vLLM's fp32 LSE bits (:mod:`shardmax.strict`: the strict
+  extras ride in the same all_gather after the records), every decision is vLLM's;
 * top-k requests (``0 < k < C = TOPK_CANDIDATES``): the kept set comes from the top-C packed
   keys of ``x`` of every record split of every rank (selected in the record kernel's second
   pass), merged by ``sampled_merge`` into an exact prefix of the row's (value desc, id asc)
@@ -816,9 +818,22 @@ def sharded_verify(
       by keyed Gumbel-max; ``num_sampled = accepted + 1``.
     * chunked prefill (``seq_lens[r] < prefill_len[slot]``): 0 sampled, 0 rejected, all -1.
 
+    Modes (the acceptance LSE; everything else is the same):
+
+    * ``"fast"``: the LSE is rebuilt in fp64 from per-rank ``(max, sumexp)``; a decision within
+      its error bound of vLLM's fp32 one sets ``fallback`` (interval test, research §2.3).
+    * ``"strict"``: vLLM's fp32 LSE is rebuilt bit for bit (:mod:`shardmax.strict`: vLLM's
+      per-8192-block statistics with vLLM's load layout, the raw values of the blocks cut by
+      shard edges, vLLM's combine), so every acceptance decision is vLLM's and no row is flagged
+      for the LSE. Costs 8 B per wholly-local block and row plus the raw pieces of at most two
+      cut blocks per rank and row (``<= 16 KiB`` bf16), in the same all_gather; an fp32 copy of
+      the shard's blocks on processed chunks; an fp32 ``[rows, V]`` replay scratch on steps with
+      top-k / top-p / min-p rows. The batch must be one vLLM verification chunk
+      (:func:`max_chunk_rows` rows).
+
     ``fallback[r]`` is True when the caller must verify request ``r`` the native way (its outputs
-    here are then a valid sample but not guaranteed to be vLLM's bits): a row the decision used
-    sits within the LSE error bound of the acceptance threshold (interval test, research §2.3),
+    here are then a valid sample but not guaranteed to be vLLM's bits): fast mode only, a row the
+    decision used sits within the LSE error bound of the acceptance threshold; any mode,
     a used row holds NaN / +inf or no finite logit, a used top-k row fails the convergence guard
     (see the module docstring), or the request's top-k is ``>= TOPK_CANDIDATES`` (64; its outputs
     are then ``-1`` / 0 / 0). Top-k requests with ``0 < k < 64`` run sharded: vLLM's top-k kept
@@ -831,8 +846,8 @@ def sharded_verify(
         temperature: float ``[max_num_reqs]`` per slot (cast to fp32); 0 = greedy.
         top_k: optional int32/int64 ``[max_num_reqs]`` per slot (``k <= 0`` or ``k >= V``: off).
         use_fp64_gumbel: vLLM's ``use_fp64_gumbel`` (fp64 Gumbel keys).
-        mode: ``"fast"`` (compact records + fallback flags); ``"strict"`` raises
-            NotImplementedError.
+        mode: ``"fast"`` (compact records, LSE-margin rows flagged) or ``"strict"`` (vLLM's
+            LSE bits, see above).
         top_p: optional float ``[max_num_reqs]`` per slot in ``(0, 1]`` (1 = off).
         min_p: optional float ``[max_num_reqs]`` per slot in ``[0, 1]`` (0 = off). With either,
             a request's rows keep min-p survivors, then its top-k, then the EXACT nucleus
@@ -843,6 +858,13 @@ def sharded_verify(
             search resolution, min-p survivors beyond the candidates or at the threshold, min-p
             leaving ``<= k`` survivors for an active top-k -- set ``fallback``.
 
+        logits_processed: strict mode only: vLLM's chunk gate -- True when vLLM verifies an
+            fp32 processed copy of the batch's logits (some request needs logits processing:
+            ``T`` not 0 / 1, top-k / top-p / min-p, penalties, bias, ...), False when it
+            verifies the raw logits; None: computed from the sampling tensors
+            (:func:`chunk_needs_processing`, one host read; logits processors are invisible
+            here, so a caller that has them must pass True).
+
     Returns:
         :class:`VerifyResult` ``(sampled int64 [num_reqs, K+1], num_sampled int32,
         num_rejected int32, fallback bool, reason int8)``, identical on every rank; ``reason``
@@ -850,8 +872,10 @@ def sharded_verify(
 
     Raises:
         TypeError / ValueError naming the argument (as the greedy op, plus temperature/top-k
-        shape, dtype, slot range, negative or NaN temperature); NotImplementedError for
-        ``mode="strict"``.
+        shape, dtype, slot range, negative or NaN temperature, an unknown ``mode``); strict mode:
+        ValueError for more rows than one vLLM chunk, ranks' ranges with a gap, or
+        ``logits_processed=False`` with a top-k / top-p / min-p request; TypeError for a
+        non-bool ``logits_processed``.
     """
     coll = resolve(group)
     chk = validate_sampled_inputs(

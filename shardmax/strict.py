@@ -31,13 +31,14 @@ records (:func:`extras_words` int64 words per rank).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from shardmax import kernels
-from shardmax.keys import EMPTY_KEY, unpack_ids, unpack_values
+from shardmax.keys import EMPTY_KEY, unpack_ids
 from shardmax.validation import SUPPORTED_DTYPES
 from shardmax.variants import VariantKey, build_name
 
@@ -267,6 +268,21 @@ def rank_extras(
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _cut_blocks_tensor(cut_blocks: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The cut blocks as an int32 device tensor, made once per geometry (a CUDA graph captured
+    after the first call never copies from the host)."""
+    return torch.tensor(cut_blocks, dtype=torch.int32, device=device)
+
+
+def _key_values(keys: torch.Tensor) -> torch.Tensor:
+    """fp32 values of packed keys (NaN keys never reach here: those rows are flagged), without
+    boolean-mask indexing (no host sync; CUDA-graph capturable)."""
+    order = keys >> 32
+    bits = torch.where(order < 0, order ^ 0x7FFFFFFF, order).to(torch.int32)
+    return bits.view(torch.float32)
+
+
 def rebuild_block_stats(
     p: StrictPlan,
     extras: torch.Tensor,
@@ -315,7 +331,7 @@ def rebuild_block_stats(
             vocab=p.vocab,
             nblocks=len(p.cut_blocks),
             aligned=stride % 16 == 0,
-            blocks=torch.tensor(p.cut_blocks, dtype=torch.int32, device=dev),
+            blocks=_cut_blocks_tensor(p.cut_blocks, dev),
             temperature=temp_row if processed else None,
         )
     return g_max, g_sum
@@ -343,7 +359,7 @@ def replay_kept(
     ids = unpack_ids(candidates)
     take = torch.arange(c, device=dev)[None, :] < kept.to(torch.int64)[:, None]
     take &= (candidates != EMPTY_KEY) & (ids >= 0) & (ids < vocab)
-    vals = torch.where(take, unpack_values(candidates), float("-inf"))
+    vals = torch.where(take, _key_values(candidates), float("-inf"))
     scratch = torch.full((rows, vocab), float("-inf"), dtype=torch.float32, device=dev)
     scratch.scatter_reduce_(1, torch.where(take, ids, 0), vals, reduce="amax")
     block_stats(scratch, g_max, g_sum, vocab=vocab, nblocks=nb, aligned=vocab % 16 == 0)

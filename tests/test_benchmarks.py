@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from benchmarks import report
+from benchmarks import step as step_mod
 from benchmarks.__main__ import (
     DEFAULT_OUT,
     ROWS_FULL,
@@ -302,8 +303,17 @@ def test_smoke_run_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         ("argmax", "plain"), ("verify", "plain"), ("argmax", "vllm_unfused"),
         ("collective", "floor_allreduce_int64"), ("sampled", "sharded_fast"),
         ("sampled", "plain"), ("sampled_nucleus", "sharded_fast"), ("sampled_nucleus", "plain"),
+        ("sampled", "sharded_strict"), ("sampled_nucleus", "sharded_strict"),
     }  # fmt: skip
     assert all(r["correct"] == 1 for r in step)
+    strict_rows = [r for r in step if r["path"] == "sharded_strict"]
+    assert all(r["flag_rate"] == 0.0 for r in strict_rows)  # finite rows: nothing flagged
+    assert {
+        r["wire_bytes_per_rank"] - step_mod.strict_extra_bytes(4, r["vocab"], 2, 4)
+        for r in strict_rows
+        if r["op"] == "sampled"
+    } == {24 * 4}
+    assert "## Sampled verification step, strict mode" in (tmp_path / "SUMMARY.md").read_text()
     sampled = [r for r in step if r["op"] == "sampled"]
     assert all(0.0 <= r["flag_rate"] <= 1.0 for r in sampled)
     assert {r["wire_bytes_per_rank"] for r in sampled if r["path"] == "sharded_fast"} == {24 * 4}

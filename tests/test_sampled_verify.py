@@ -502,11 +502,9 @@ def test_fallback_reason_codes_match_the_guard() -> None:
     assert len({int(f) for f in FallbackReason}) == len(FallbackReason)
 
 
-def test_strict_mode_not_implemented() -> None:
+def test_bad_mode_and_temperature() -> None:
     batch, temps = _batch(2, 3, 300, seed=1)
     a = batch.args()
-    with pytest.raises(NotImplementedError, match="strict"):
-        shardmax.sharded_verify(batch.logits, *a[:5], temps, *a[5:], vocab_start=0, mode="strict")
     with pytest.raises(ValueError, match="mode"):
         shardmax.sharded_verify(batch.logits, *a[:5], temps, *a[5:], vocab_start=0, mode="x")
     bad = temps.clone()

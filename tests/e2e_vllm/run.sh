@@ -15,4 +15,4 @@ fi
 cd "$REPO"
 export SHARDMAX_E2E=1
 exec "$SHARDMAX_VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -m e2e -v -s \
-  "$HERE" "$@"
+  "$HERE" "$REPO/tests/test_strict_vllm.py" "$@"

@@ -9,7 +9,8 @@ greedy verification). Each process runs two scenarios:
   and the per-process counters must show the sharded draft argmax and the sharded verification
   on both TP ranks.
 * ``mixed``: adds 2 seeded temperature>0 requests (no top-k) -> the sampled steps must run
-  ``shardmax.sharded_verify`` (counter ``sharded_sampled_verify`` > 0 on both ranks, no
+  ``shardmax.sharded_verify`` in strict mode (counters ``sharded_sampled_verify`` ==
+  ``sharded_sampled_verify_strict`` > 0 on both ranks, no
   "temperature" fallback; a step whose ``fallback`` flags fire is re-run natively and counted in
   ``sampled_fallback_reruns``), and the outputs must still equal plain vLLM's. A top-k request
   cannot run in this engine at all (vLLM's top-k Triton kernel fails under the interpreter,
@@ -197,8 +198,9 @@ def test_sharded_paths_ran_on_both_ranks(runs):
 
 
 def test_mixed_batch_sampled_steps_run_sharded(runs):
-    """Temperature-only sampled steps go through sharded_verify on every rank; no step is refused
-    for temperature."""
+    """Temperature-only sampled steps go through sharded_verify on every rank, in strict mode (the
+    plug-in's default: vLLM's acceptance LSE rebuilt bit for bit), so no step is re-run for an
+    LSE margin; no step is refused for temperature."""
     _, on = runs
     by_rank = _worker_stats(on)
     assert sorted(by_rank) == [0, 1], on["stats"]
@@ -207,10 +209,13 @@ def test_mixed_batch_sampled_steps_run_sharded(runs):
         print(
             f"[e2e] rank {rank}: sharded_verify={s['sharded_verify']} "
             f"sharded_sampled_verify={s['sharded_sampled_verify']} "
+            f"(strict {s.get('sharded_sampled_verify_strict', 0)}) "
             f"sampled_fallback_reruns={s['sampled_fallback_reruns']} "
             f"native_verify={s['native_verify']} fallbacks={reasons}"
         )
         assert s["sharded_sampled_verify"] > 0, (rank, s)
+        assert s["sharded_sampled_verify_strict"] == s["sharded_sampled_verify"], (rank, s)
+        assert not any("LSE_MARGIN" in r for r in reasons), (rank, reasons)
         assert not any(r.startswith("temperature") for r in reasons), (rank, reasons)
 
 
