@@ -85,10 +85,14 @@ def sampled_variants() -> Iterator[VariantKey]:
 
 def strict_variants() -> Iterator[VariantKey]:
     """Strict mode of sampled verification: vLLM's block statistics per (dtype of the tensor
-    vLLM reads, whether its row stride is a multiple of 16), and vLLM's LSE combine."""
-    for dtype in DTYPES:
-        for align in ALIGNMENTS:
-            yield VariantKey("block_stats", dtype=dtype, align=align)
+    vLLM reads, whether its row stride is a multiple of 16) on a rank's whole blocks, on the cut
+    blocks rebuilt from raw pieces, on replayed kept sets (fp32 only), and vLLM's LSE combine."""
+    for family in ("block_stats", "strict_rebuild"):
+        for dtype in DTYPES:
+            for align in ALIGNMENTS:
+                yield VariantKey(family, dtype=dtype, align=align)
+    for align in ALIGNMENTS:
+        yield VariantKey("strict_replay", align=align)
     yield VariantKey("strict_lse")
 
 
@@ -105,6 +109,8 @@ TEMPLATE_OF_FAMILY = {
     "sampled_finish": "sampled_finish.py.j2",
     "sampled_merge": "sampled_merge.py.j2",
     "block_stats": "block_stats.py.j2",
+    "strict_rebuild": "strict_rebuild.py.j2",
+    "strict_replay": "strict_replay.py.j2",
     "strict_lse": "strict_lse.py.j2",
 }
 
@@ -118,8 +124,10 @@ def template_context(key: VariantKey) -> dict[str, object]:
         )
     elif key.family == "sampled_record":
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], block=key.block)
-    elif key.family == "block_stats":
+    elif key.family in ("block_stats", "strict_rebuild"):
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align)
+    elif key.family == "strict_replay":
+        ctx.update(align=key.align)
     elif key.family not in ("sampled_merge", "strict_lse"):
         ctx.update(
             transport=key.transport,

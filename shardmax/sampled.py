@@ -294,6 +294,16 @@ def _row_request_slot(
     return req, idx_mapping.to(torch.int64)[req]
 
 
+class RowParams(NamedTuple):
+    """Per logits row (:func:`row_params`)."""
+
+    temperature: torch.Tensor  # fp32
+    seed: torch.Tensor  # int64
+    pos: torch.Tensor  # int64
+    draft: torch.Tensor  # int64 global id of the draft the row verifies, -1 if none
+    slot: torch.Tensor  # int64 request-state slot
+
+
 def row_params(
     draft_sampled: torch.Tensor,
     cu_num_logits: torch.Tensor,
@@ -301,8 +311,9 @@ def row_params(
     idx_mapping: torch.Tensor,
     temperature: torch.Tensor,
     seed: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per logits row: ``(temperature fp32, seed int64, pos int64, verified draft int64)``.
+) -> RowParams:
+    """Per logits row: ``(temperature fp32, seed int64, pos int64, verified draft int64, slot
+    int64)``.
 
     The verified draft of row ``j`` is ``draft_sampled[j + 1]``, or ``-1`` on the request's
     bonus (last) row. Device ops only (no host sync, CUDA-graph capturable).
@@ -315,11 +326,12 @@ def row_params(
     last = ar == cu[1:][req] - 1
     nxt = torch.cat([draft_sampled[1:], draft_sampled.new_full((1,), -1)]).to(torch.int64)
     draft_row = torch.where(last, torch.full_like(nxt, -1), nxt)
-    return (
+    return RowParams(
         temperature[slot].contiguous(),
         seed[slot].contiguous(),
         pos.to(torch.int64).contiguous(),
         draft_row.contiguous(),
+        slot.contiguous(),
     )
 
 
@@ -349,18 +361,20 @@ def sampled_records(
     local_logits: torch.Tensor,
     vocab_start: int,
     num_valid: int,
-    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    params: tuple[torch.Tensor, ...],
     variant: str,
     use_fp64_gumbel: bool,
     num_warps: int = 4,
     splits: int = 1,
     with_candidates: bool = False,
+    extra_words: int = 0,
 ) -> torch.Tensor:
     """Local stage: ``[rows, W]`` logits -> one rank's flat int64 buffer: ``[splits * rows,
     3 | 4]`` records (split-major: record ``j * rows + r`` covers split ``j`` of row ``r``), and on
     a candidate step (``with_candidates``) one more record word (the split's smallest finite
     processed value) followed by ``[splits * rows, C]`` candidates: each split's exact top-``C``
-    packed keys of ``x`` (``C`` = :data:`TOPK_CANDIDATES`)."""
+    packed keys of ``x`` (``C`` = :data:`TOPK_CANDIDATES`); ``extra_words`` more words at the end
+    are left for the caller (strict mode's extras)."""
     mod = kernels.load(variant)
     kernels._check_device(local_logits)
     if not isinstance(splits, int) or not 1 <= splits <= MAX_RECORD_SPLITS:
@@ -370,8 +384,8 @@ def sampled_records(
     words = record_words(use_fp64_gumbel) + with_candidates
     c = TOPK_CANDIDATES
     n_rec = splits * rows * words
-    buf = torch.empty(n_rec + (splits * rows * c if with_candidates else 0), dtype=torch.int64,
-                      device=dev)  # fmt: skip
+    buf = torch.empty(n_rec + (splits * rows * c if with_candidates else 0) + extra_words,
+                      dtype=torch.int64, device=dev)  # fmt: skip
     if rows == 0:
         return buf
     scratch = (
@@ -380,7 +394,7 @@ def sampled_records(
         else buf
     )
     chunk = triton.cdiv(triton.cdiv(num_valid, splits), mod.BLOCK) * mod.BLOCK
-    temp_row, seed_row, pos_row, draft_row = params
+    temp_row, seed_row, pos_row, draft_row = params[:4]
     mod.kernel[(rows, splits)](
         local_logits,
         buf,
@@ -423,13 +437,15 @@ class StrictStep(NamedTuple):
     processed: bool  # vLLM verifies an fp32 processed copy (else the raw logits)
     dtype: torch.dtype  # the ranks' logits dtype
     width: int  # padded local width W of every rank
+    temp_row: torch.Tensor  # fp32 [rows] temperature of each logits row
+    slot_row: torch.Tensor  # int64 [rows] request-state slot of each logits row
 
 
 def local_buffer(
     local_logits: torch.Tensor,
     vocab_start: int,
     num_valid: int,
-    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    params: tuple[torch.Tensor, ...],
     variant: str,
     use_fp64_gumbel: bool,
     splits: int,
@@ -440,6 +456,7 @@ def local_buffer(
     """What one rank contributes to the step's all_gather: int64 ``[1, n]``
     (:func:`sampled_records`, then in strict mode :func:`shardmax.strict.rank_extras` of rank
     ``rank``); ``n`` is the same on every rank."""
+    extra = extras_words(strict.plan, local_logits.shape[0], local_logits.dtype) if strict else 0
     buf = sampled_records(
         local_logits,
         vocab_start,
@@ -449,11 +466,14 @@ def local_buffer(
         use_fp64_gumbel,
         splits=splits,
         with_candidates=with_candidates,
+        extra_words=extra,
     )
     if strict is not None:
         tp = len(strict.plan.starts)
-        extras = rank_extras(strict.plan, rank, local_logits, strict.processed, params[0], tp)
-        buf = torch.cat([buf, extras])
+        rank_extras(
+            strict.plan, rank, local_logits, strict.processed, params[0], tp,
+            out=buf[buf.shape[0] - extra :],
+        )  # fmt: skip
     return buf.view(1, -1)
 
 
@@ -461,36 +481,25 @@ def _strict_lse(
     gathered: torch.Tensor,
     strict: StrictStep,
     rows: int,
-    cu_num_logits: torch.Tensor,
-    idx_mapping: torch.Tensor,
-    temperature: torch.Tensor,
     vocab: int,
     candidates: torch.Tensor | None,
     top_k: torch.Tensor | None,
     keep: torch.Tensor | None,
 ) -> torch.Tensor:
     """Every rank: vLLM's fp32 LSE of every row from the gathered strict extras (the tail of each
-    rank's buffer); rows that keep a top-k / top-p / min-p set replay it from the candidates."""
+    rank's buffer); rows that keep a top-k / top-p / min-p set replay it from the candidates.
+    Three launches: ``strict_rebuild``, ``strict_replay`` (candidate steps), ``strict_lse``."""
     p = strict.plan
-    n_extra = extras_words(p, rows, strict.dtype)
-    extras = gathered[:, gathered.shape[1] - n_extra :]
-    slot = _row_request_slot(cu_num_logits, idx_mapping, rows)[1]
-    temp_row = temperature[slot].contiguous()
+    offset = gathered.shape[1] - extras_words(p, rows, strict.dtype)
     g_max, g_sum = rebuild_block_stats(
-        p, extras, rows, strict.dtype, strict.processed, temp_row, len(p.starts), strict.width
-    )
+        p, gathered, offset, rows, strict.dtype, strict.processed, strict.temp_row,
+        len(p.starts), strict.width,
+    )  # fmt: skip
     if candidates is not None:
-        kept = torch.zeros(rows, dtype=torch.int64, device=gathered.device)
-        if top_k is not None:
-            kk = top_k[slot].to(torch.int64)
-            on = (temp_row != 0.0) & (kk > 0) & (kk < vocab) & (kk < TOPK_CANDIDATES)
-            kept = torch.where(on, kk, kept)
-        if keep is not None:
-            kept = torch.where(keep > 0, keep.to(torch.int64), kept)
-        r_max, r_sum = replay_kept(candidates, kept, vocab)
-        on_rows = (kept > 0)[:, None]
-        g_max = torch.where(on_rows, r_max, g_max)
-        g_sum = torch.where(on_rows, r_sum, g_sum)
+        replay_kept(
+            g_max, g_sum, candidates, strict.temp_row, vocab, slot_row=strict.slot_row,
+            top_k=top_k, keep=keep, cand_per_row=TOPK_CANDIDATES,
+        )  # fmt: skip
     return strict_lse(g_max, g_sum)
 
 
@@ -599,10 +608,7 @@ def finish_gathered(
             top_k = torch.zeros(temperature.shape[0], dtype=torch.int32, device=cand.device)
     lse = None
     if strict is not None:
-        lse = _strict_lse(
-            gathered, strict, rows, cu_num_logits, idx_mapping, temperature, vocab, cand,
-            top_k, keep,
-        )  # fmt: skip
+        lse = _strict_lse(gathered, strict, rows, vocab, cand, top_k, keep)
     parts = tp * splits  # rank-major, then split-major: N records per row
     return sampled_finish(
         gathered,
@@ -730,6 +736,7 @@ def strict_step(
     idx_mapping: torch.Tensor,
     chk: _Checked,
     logits_processed: bool | None,
+    params: RowParams,
 ) -> StrictStep:
     """The :class:`StrictStep` of a batch: the strict layout of the geometry and vLLM's chunk
     gate (``logits_processed``, or :func:`chunk_needs_processing` when None).
@@ -766,7 +773,7 @@ def strict_step(
             "logits_processed: False, but a request of the batch has top-k / top-p / min-p "
             "active, which makes vLLM process the chunk"
         )
-    return StrictStep(p, processed, dtype, width)
+    return StrictStep(p, processed, dtype, width, params.temperature, params.slot)
 
 
 def _empty(k: int, dev: torch.device) -> VerifyResult:
@@ -913,7 +920,7 @@ def sharded_verify(
         geometry = check_geometry(coll, logits, chk.vocab_start, chk.num_valid)
         strict = strict_step(
             geometry, logits.dtype, logits.shape[1], logits.shape[0], idx_mapping, chk,
-            logits_processed,
+            logits_processed, params,
         )  # fmt: skip
     buf = local_buffer(
         logits,

@@ -38,7 +38,6 @@ import torch
 import triton
 
 from shardmax import kernels
-from shardmax.keys import EMPTY_KEY, unpack_ids
 from shardmax.validation import SUPPORTED_DTYPES
 from shardmax.variants import VariantKey, build_name
 
@@ -57,6 +56,8 @@ __all__ = [
 
 VOCAB_BLOCK = 8192
 """vLLM's ``VOCAB_BLOCK_SIZE`` of the acceptance statistics (research §1.2)."""
+COPY_LANES = 1024
+"""Vector width of the scratch fills and piece copies (must differ from ``VOCAB_BLOCK``)."""
 
 
 @dataclass(frozen=True)
@@ -175,26 +176,23 @@ def block_stats(
     base: int = 0,
     first_block: int = 0,
     out_block0: int = 0,
-    blocks: torch.Tensor | None = None,
     temperature: torch.Tensor | None = None,
 ) -> None:
     """Launch ``block_stats``: vLLM's ``(max_b, sumexp_b)`` of ``nblocks`` blocks per row of
     ``src`` (``[rows, *]``, last dim contiguous), program column ``j`` reading
-    ``src[:, base + j * 8192 : base + (j + 1) * 8192]`` as global block ``first_block + j`` (or
-    ``blocks[j]``, int32), storing column ``block - out_block0`` of ``out_max`` / ``out_sumexp``
-    (fp32, same row stride). ``aligned`` = vLLM's row stride is a multiple of 16 (``va16``);
+    ``src[:, base + j * 8192 : base + (j + 1) * 8192]`` as global block ``first_block + j``,
+    storing column ``first_block + j - out_block0`` of ``out_max`` / ``out_sumexp`` (fp32, same
+    row stride). ``aligned`` = vLLM's row stride is a multiple of 16 (``va16``, else ``va1``);
     ``temperature`` (fp32 ``[rows]``) divides first, as vLLM's temperature kernel."""
     rows = src.shape[0]
     if rows == 0 or nblocks == 0:
         return
     mod = kernels.load(_variant(src.dtype, aligned))
-    dummy = out_max
     mod.kernel[(rows, nblocks)](
         src,
         out_max,
         out_sumexp,
-        blocks if blocks is not None else dummy,
-        temperature if temperature is not None else dummy,
+        temperature if temperature is not None else out_max,
         src.stride(0),
         base,
         first_block,
@@ -202,7 +200,6 @@ def block_stats(
         out_max.stride(0),
         vocab,
         BLOCK=VOCAB_BLOCK,
-        TABLE=blocks is not None,
         TEMP=temperature is not None,
         num_warps=4,  # vLLM's stats kernel launches with Triton's default, 4 warps
     )
@@ -220,13 +217,17 @@ def rank_extras(
     processed: bool,
     temp_row: torch.Tensor,
     tp: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One rank's strict extras, int64 ``[extras_words]``: the vLLM-layout ``(max, sumexp)`` of its
-    whole blocks (fp32 ``[2, rows, max_full]``) then its raw pieces of cut blocks
-    (``[rows, slots, piece_width]`` in the logits dtype). ``temp_row``: fp32 temperature per row."""
+    """One rank's strict extras, int64 ``[extras_words]`` (written into ``out`` when given, e.g.
+    the tail of the rank's send buffer): the vLLM-layout ``(max, sumexp)`` of its whole blocks
+    (fp32 ``[2, rows, max_full]``) then its raw pieces of cut blocks (``[rows, slots,
+    piece_width]`` in the logits dtype). ``temp_row``: fp32 temperature per row. Slots past a
+    rank's own blocks / piece lengths are left unwritten (never read)."""
     rows, width = logits.shape
     dev = logits.device
-    out = torch.zeros(extras_words(p, rows, logits.dtype), dtype=torch.int64, device=dev)
+    if out is None:
+        out = torch.empty(extras_words(p, rows, logits.dtype), dtype=torch.int64, device=dev)
     n_stats = rows * p.max_full
     stats = out[:n_stats].view(torch.float32).view(2, rows, p.max_full)
     s = p.starts[rank]
@@ -269,23 +270,21 @@ def rank_extras(
 
 
 @functools.lru_cache(maxsize=64)
-def _cut_blocks_tensor(cut_blocks: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The cut blocks as an int32 device tensor, made once per geometry (a CUDA graph captured
-    after the first call never copies from the host)."""
-    return torch.tensor(cut_blocks, dtype=torch.int32, device=device)
-
-
-def _key_values(keys: torch.Tensor) -> torch.Tensor:
-    """fp32 values of packed keys (NaN keys never reach here: those rows are flagged), without
-    boolean-mask indexing (no host sync; CUDA-graph capturable)."""
-    order = keys >> 32
-    bits = torch.where(order < 0, order ^ 0x7FFFFFFF, order).to(torch.int32)
-    return bits.view(torch.float32)
+def _tables(p: StrictPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(cut, seg, full)`` int32 device tables of ``strict_rebuild``, made once per geometry (a
+    CUDA graph captured after the first call never copies from the host)."""
+    seg = [(g.cut, r, g.slot, g.lo, g.hi) for r, segs in enumerate(p.segments) for g in segs]
+    return (
+        torch.tensor(p.cut_blocks or (0,), dtype=torch.int32, device=device),
+        torch.tensor(seg or [(0,) * 5], dtype=torch.int32, device=device).view(-1),
+        torch.tensor(p.full, dtype=torch.int32, device=device).view(-1),
+    )
 
 
 def rebuild_block_stats(
     p: StrictPlan,
-    extras: torch.Tensor,
+    gathered: torch.Tensor,
+    extras_offset: int,
     rows: int,
     dtype: torch.dtype,
     processed: bool,
@@ -293,77 +292,105 @@ def rebuild_block_stats(
     tp: int,
     width: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank: the gathered extras (int64 ``[tp, extras_words]``) -> vLLM's block statistics
-    of every row, fp32 ``(max, sumexp)`` ``[rows, num_blocks]`` each (contiguous: the row stride
-    vLLM's rejection kernel sees). Cut blocks are reassembled from the ranks' raw pieces into an
-    ``[rows, cuts, 8192]`` scratch (the chunk's dtype) and reduced with vLLM's layout."""
-    dev = extras.device
+    """Every rank: the gathered buffers (int64 ``[tp, n]``, each rank's strict extras at word
+    ``extras_offset``) -> vLLM's block statistics of every row, fp32 ``(max, sumexp)``
+    ``[rows, num_blocks]`` each (contiguous: the row stride vLLM's rejection kernel sees). One
+    ``strict_rebuild`` launch: the whole blocks' statistics are copied, the cut blocks
+    reassembled from the ranks' raw pieces into an ``[rows, cuts, 8192]`` scratch of the
+    chunk's dtype (raw, or fp32 when processed) and reduced with vLLM's layout."""
+    dev = gathered.device
     nb = p.num_blocks
     g_max = torch.empty((rows, nb), dtype=torch.float32, device=dev)
     g_sum = torch.empty((rows, nb), dtype=torch.float32, device=dev)
+    ncut = len(p.cut_blocks)
     if rows == 0:
         return g_max, g_sum
-    n_stats = rows * p.max_full
-    for r, (fb, nf) in enumerate(p.full):
-        if nf:
-            st = extras[r, :n_stats].view(torch.float32).view(2, rows, p.max_full)
-            g_max[:, fb : fb + nf] = st[0, :, :nf]
-            g_sum[:, fb : fb + nf] = st[1, :, :nf]
-    if p.cut_blocks:
-        scratch_dtype = torch.float32 if processed else dtype
-        scratch = torch.full(
-            (rows, len(p.cut_blocks), VOCAB_BLOCK), float("-inf"), dtype=scratch_dtype, device=dev
+    scratch = torch.empty(
+        (rows, max(ncut, 1) * VOCAB_BLOCK),
+        dtype=torch.float32 if processed else dtype,
+        device=dev,
+    )
+    cut, seg, full = _tables(p, dev)
+    aligned = vllm_row_stride(processed, tp, width, p.vocab) % 16 == 0
+    mod = kernels.load(
+        build_name(
+            VariantKey("strict_rebuild", dtype=SUPPORTED_DTYPES[dtype], align=16 if aligned else 1)
         )
-        nbytes = _pieces_bytes(p, rows, dtype)
-        for r, segs in enumerate(p.segments):
-            pieces = extras[r, n_stats:].view(torch.uint8)[:nbytes].view(dtype)
-            pieces = pieces.view(rows, p.slots, p.piece_width)
-            for seg in segs:
-                b0 = p.cut_blocks[seg.cut] * VOCAB_BLOCK
-                scratch[:, seg.cut, seg.lo - b0 : seg.hi - b0] = pieces[
-                    :, seg.slot, : seg.hi - seg.lo
-                ]
-        stride = vllm_row_stride(processed, tp, width, p.vocab)
-        block_stats(
-            scratch.view(rows, -1),
-            g_max,
-            g_sum,
-            vocab=p.vocab,
-            nblocks=len(p.cut_blocks),
-            aligned=stride % 16 == 0,
-            blocks=_cut_blocks_tensor(p.cut_blocks, dev),
-            temperature=temp_row if processed else None,
-        )
+    )
+    mod.kernel[(rows, ncut + tp)](
+        scratch,
+        gathered,
+        g_max,
+        g_sum,
+        cut,
+        seg,
+        full,
+        temp_row,
+        scratch.stride(0),
+        rows,
+        ncut,
+        sum(len(s) for s in p.segments),
+        gathered.stride(0),
+        extras_offset,
+        p.max_full,
+        extras_offset + rows * p.max_full,
+        p.slots,
+        p.piece_width,
+        nb,
+        p.vocab,
+        BLOCK=VOCAB_BLOCK,
+        COPY=COPY_LANES,
+        FULL_LANES=triton.next_power_of_2(max(p.max_full, 1)),
+        TEMP=processed,
+        num_warps=4,  # vLLM's stats kernel: 4 warps
+    )
     return g_max, g_sum
 
 
 def replay_kept(
+    g_max: torch.Tensor,
+    g_sum: torch.Tensor,
     candidates: torch.Tensor,
-    kept: torch.Tensor,
+    temp_row: torch.Tensor,
     vocab: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's block statistics of rows whose processed values are ``-inf`` outside a kept set.
-
-    ``candidates``: int64 ``[rows, C]`` merged packed keys (value desc, id asc); ``kept``: int
-    ``[rows]``, the row keeps its first ``kept`` candidates (0: none). The kept values go to their
-    ids in an fp32 ``[rows, V]`` scratch (``-inf`` elsewhere: vLLM's processed row) reduced like
-    vLLM's fp32 chunk (row stride ``V``). Returns fp32 ``(max, sumexp)`` ``[rows, num_blocks]``.
-    """
-    rows, c = candidates.shape
-    dev = candidates.device
-    nb = triton.cdiv(vocab, VOCAB_BLOCK)
-    g_max = torch.empty((rows, nb), dtype=torch.float32, device=dev)
-    g_sum = torch.empty((rows, nb), dtype=torch.float32, device=dev)
+    *,
+    slot_row: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+    cand_per_row: int,
+) -> None:
+    """Overwrite, in place, the block statistics of rows that keep a top-k / top-p / min-p set
+    with vLLM's statistics of their processed rows (``-inf`` outside the kept set): one
+    ``strict_replay`` launch over ``[rows, num_blocks]`` programs. A row keeps its first ``k``
+    merged ``candidates`` (int64 ``[rows, C]``, value desc / id asc) when ``T != 0`` and ``0 < k
+    < min(V, C)`` with ``k = top_k[slot_row]``, or its first ``keep[row]`` when that is > 0.
+    Blocks are reduced like vLLM's fp32 chunk (row stride ``V``)."""
+    rows, nb = g_max.shape
     if rows == 0:
-        return g_max, g_sum
-    ids = unpack_ids(candidates)
-    take = torch.arange(c, device=dev)[None, :] < kept.to(torch.int64)[:, None]
-    take &= (candidates != EMPTY_KEY) & (ids >= 0) & (ids < vocab)
-    vals = torch.where(take, _key_values(candidates), float("-inf"))
-    scratch = torch.full((rows, vocab), float("-inf"), dtype=torch.float32, device=dev)
-    scratch.scatter_reduce_(1, torch.where(take, ids, 0), vals, reduce="amax")
-    block_stats(scratch, g_max, g_sum, vocab=vocab, nblocks=nb, aligned=vocab % 16 == 0)
-    return g_max, g_sum
+        return
+    dev = g_max.device
+    scratch = torch.empty((rows, nb * VOCAB_BLOCK), dtype=torch.float32, device=dev)
+    mod = kernels.load(build_name(VariantKey("strict_replay", align=16 if vocab % 16 == 0 else 1)))
+    dummy = g_max
+    mod.kernel[(rows, nb)](
+        scratch,
+        candidates,
+        g_max,
+        g_sum,
+        temp_row,
+        slot_row if slot_row is not None else dummy,
+        top_k if top_k is not None else dummy,
+        keep if keep is not None else dummy,
+        scratch.stride(0),
+        nb,
+        vocab,
+        BLOCK=VOCAB_BLOCK,
+        COPY=COPY_LANES,
+        CAND=cand_per_row,
+        HAS_TOPK=top_k is not None,
+        HAS_KEEP=keep is not None,
+        num_warps=4,
+    )
 
 
 def strict_lse(g_max: torch.Tensor, g_sum: torch.Tensor) -> torch.Tensor:

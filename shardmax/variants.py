@@ -14,6 +14,8 @@ fixed order and are present only when the family has that axis::
     sampled_finish_tp4_allgather    sampled verification finish after all_gather(dim=0) of records
     sampled_merge                   candidate steps: merge of the ranks' candidates + nucleus
     block_stats_fp32_va1            strict mode: vLLM's 8192-block (max, sumexp), vLLM's layout
+    strict_rebuild_bf16_va16        strict mode: the blocks cut by shard edges, from raw pieces
+    strict_replay_va1               strict mode: the blocks of top-k/top-p/min-p kept sets
     strict_lse                      strict mode: vLLM's cross-block LSE combine
 
 ``tp`` is ``2``, ``4`` or ``8`` (the loop over ranks is unrolled) or ``n`` (any TP size,
@@ -34,6 +36,8 @@ FAMILIES = (
     "sampled_finish",
     "sampled_merge",
     "block_stats",
+    "strict_rebuild",
+    "strict_replay",
     "strict_lse",
 )
 TRANSPORTS = ("allgather", "allreduce")
@@ -41,7 +45,7 @@ UNROLLED_TP = (2, 4, 8)
 
 _NAME_RE = re.compile(
     r"^(?P<family>shard_keys|argmax_pick|verify_finish|sampled_record|sampled_finish"
-    r"|sampled_merge|block_stats|strict_lse)"
+    r"|sampled_merge|block_stats|strict_rebuild|strict_replay|strict_lse)"
     r"(?:_(?P<dtype>bf16|fp16|fp32))?"
     r"(?:_va(?P<align>\d+))?"
     r"(?:_b(?P<block>\d+))?"
@@ -77,11 +81,17 @@ class VariantKey:
         elif self.family in ("sampled_merge", "strict_lse"):
             if (self.dtype, self.align, self.block, self.tp, self.transport) != (None,) * 5:
                 raise ValueError(f"{self.family} has no axis: {self}")
-        elif self.family == "block_stats":
+        elif self.family in ("block_stats", "strict_rebuild"):
             if self.dtype not in DTYPES or self.align not in (1, 16):
-                raise ValueError(f"block_stats needs dtype and align 1 or 16: {self}")
+                raise ValueError(f"{self.family} needs dtype and align 1 or 16: {self}")
             if (self.block, self.tp, self.transport) != (None,) * 3:
-                raise ValueError(f"block_stats has no block/tp/transport axis: {self}")
+                raise ValueError(f"{self.family} has no block/tp/transport axis: {self}")
+        elif self.family == "strict_replay":
+            if (
+                self.align not in (1, 16)
+                or (self.dtype, self.block, self.tp, self.transport) != (None,) * 4
+            ):
+                raise ValueError(f"strict_replay has only the align axis (1 or 16): {self}")
         elif self.family == "sampled_finish":
             if self.dtype is not None or self.align is not None or self.block is not None:
                 raise ValueError(f"sampled_finish has no dtype/align/block axis: {self}")

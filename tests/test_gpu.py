@@ -245,3 +245,41 @@ def test_record_candidates_on_gpu(dtype: torch.dtype, splits: int) -> None:
     want = _split_top_c(x[:, :num_valid], vocab_start, num_valid, splits, block)
     want[(temps == 0).repeat(splits)] = EMPTY_KEY
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("with_topk", [False, True])
+def test_sampled_strict_cuda_graph_replay_matches_eager(with_topk: bool) -> None:
+    """Strict mode captured once, replayed on new logits: every output == the eager call (the
+    tables of the cut blocks are made before capture; nothing syncs with the host)."""
+    vocab = 50257
+    batch = random_verify_batch(12, 3, vocab, seed=9, device=DEV, dtype=torch.bfloat16)
+    rows = batch.logits.shape[0]
+    gen = torch.Generator().manual_seed(9)
+    temps = torch.tensor([0.0, 0.7, 1.0, 1.3])[torch.randint(0, 4, (batch.max_num_reqs,),
+                                                             generator=gen)].to(DEV)  # fmt: skip
+    extra = {}
+    if with_topk:
+        extra["top_k"] = torch.tensor([0, 1, 20, 50], dtype=torch.int32)[
+            torch.randint(0, 4, (batch.max_num_reqs,), generator=gen)
+        ].to(DEV)
+    a = batch.args()
+    static = batch.logits.clone()
+
+    def call():
+        return shardmax.sharded_verify(
+            static, *a[:5], temps, *a[5:], vocab_start=0, mode="strict", logits_processed=True,
+            **batch.kwargs(), **extra,
+        )  # fmt: skip
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for i in range(3):
+        static.copy_(torch.randn(rows, vocab, device=DEV).to(torch.bfloat16) * 3)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = call()
+        for name, g, w in zip(captured._fields, captured, eager, strict=True):
+            assert torch.equal(g, w), f"replay {i}: {name}"

@@ -200,8 +200,9 @@ def test_strict_errors() -> None:
         _emulate(b, temps1, 2, mode="strict", logits_processed=False, top_k=top_k)
     del a
     # the chunk limit (5 rows > 1 row at V = 2**28) is checked on the step, no 1 GB logits
-    from shardmax.sampled import _Checked, strict_step
+    from shardmax.sampled import RowParams, _Checked, strict_step
 
     chk = _Checked(torch.zeros(5, 10), 0, 10, 10, temps, None)
+    params = RowParams(*(torch.zeros(5) for _ in range(5)))
     with pytest.raises(ValueError, match="exceed one vLLM verification chunk"):
-        strict_step([(0, 2**28)], torch.float32, 2**28, 5, torch.tensor([0]), chk, True)
+        strict_step([(0, 2**28)], torch.float32, 2**28, 5, torch.tensor([0]), chk, True, params)

@@ -283,16 +283,19 @@ def _bits_case(case, device: str) -> None:
         ]
     )
     g_max, g_sum = strict.rebuild_block_stats(
-        plan, extras, rows, dtype, processed, t_row, tp, width
+        plan, extras, 0, rows, dtype, processed, t_row, tp, width
     )
-    if with_topk:  # rows whose processed values are -inf outside their top-k
+    if with_topk:  # rows whose processed values are -inf outside their top-k (0: no top-k)
         from shardmax.keys import pack_keys
 
-        k_row = torch.tensor([1, 2, 3, 5, 20, 50], device=device).repeat(rows // 6)
+        k_row = torch.tensor([1, 2, 3, 0, 5, 20, 50, 63], device=device).repeat(rows // 8)
         target = top_k_mask(target, k_row)
         order = torch.sort(target, dim=1, descending=True, stable=True)
         keys = pack_keys(order.values[:, :64], order.indices[:, :64])
-        g_max, g_sum = strict.replay_kept(keys, k_row, vocab)
+        strict.replay_kept(
+            g_max, g_sum, keys, t_row, vocab, cand_per_row=64, top_k=k_row,
+            slot_row=torch.arange(rows, device=device),
+        )  # fmt: skip
     v_max, v_sum, v_lse = _vllm_block_stats(target, t_row if processed and not with_topk else
                                             torch.ones_like(t_row))  # fmt: skip
     lse = strict.strict_lse(g_max, g_sum)

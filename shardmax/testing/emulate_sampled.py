@@ -100,7 +100,7 @@ def emulate_verify(
         width = shards[0].local_logits.shape[1]
         strict = strict_step(
             geometry, full_logits.dtype, width, full_logits.shape[0], idx_mapping, chk,
-            logits_processed,
+            logits_processed, params,
         )  # fmt: skip
     gathered = torch.cat(
         [
