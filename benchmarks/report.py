@@ -468,6 +468,32 @@ def summary_markdown(local_rows: list[dict[str, Any]], step_rows: list[dict[str,
             ),
             "",
         ]  # fmt: skip
+    eager = [
+        (r["dtype"], r["rows"], _p50(_pick(step_rows, op="sampled", path=p, **m)))
+        for r in strict_rows
+        for m in ({"dtype": r["dtype"], "rows": r["rows"]},)
+        for p in ("sharded_strict_eager", "sharded_strict_eager_hostread", "plain_eager")
+    ]
+    if any(not math.isnan(v) for _, _, v in eager):
+        by: dict[tuple[str, int], list[float]] = {}
+        for d, n, v in eager:
+            by.setdefault((d, n), []).append(v)
+        parts += [
+            "### Eager calls and the host read of the fallback flags",
+            "",
+            "vLLM 0.32's V2 runner calls `sample` eagerly (verification is not graph-captured), "
+            "so the plug-in's per-step cost is the eager call plus `bool(fallback.any())`, the "
+            "device sync that decides a native re-run. Mean wall time per call over a fixed "
+            "number of calls (MAX over ranks), temperature 1.0, strict mode.",
+            "",
+            _table(
+                ["dtype", "rows", "strict eager us", "+ host read us", "host read cost us",
+                 "plain eager us"],
+                [[d, str(n), _f(v[0]), _f(v[1]), _f(v[1] - v[0]), _f(v[2])]
+                 for (d, n), v in by.items()],
+            ),
+            "",
+        ]  # fmt: skip
     errors = [r for r in local_rows + step_rows if r.get("error")]
     if errors:
         parts += ["## Failed measurements", ""]

@@ -32,6 +32,11 @@ Every rank holds its vLLM shard ``[rows, W]`` of the same seeded full logits ``[
 ``sampled_nucleus/sharded_fast``, ``sampled_nucleus/plain``
     the same with top-k 20 and top-p 0.95 on every request (candidates path: each record
     split's top-64 keys ride the all_gather; exact nucleus where the guard passes).
+``sampled/sharded_strict_eager``, ``sampled/sharded_strict_eager_hostread``, ``sampled/plain_eager``
+    the strict and plain sampled steps called eagerly, as vLLM 0.32's V2 runner calls
+    ``sample`` (verification is not graph-captured there): mean wall time per call over a fixed
+    number of calls on every rank (MAX over ranks), ``_hostread`` adding the plug-in's
+    ``bool(fallback.any())`` after every call -- the device sync that decides a native re-run.
 ``sampled/sharded_strict``, ``sampled_nucleus/sharded_strict``
     ``mode="strict"``: vLLM's acceptance LSE rebuilt bit for bit (:mod:`shardmax.strict`); the
     same all_gather also carries vLLM's per-8192-block statistics of each rank's whole blocks
@@ -63,6 +68,8 @@ from benchmarks.report import STEP_FIELDS, CsvAppender
 LOG = functools.partial(print, flush=True)
 VOCAB = 200064
 K = 3
+EAGER_CALLS = 50
+"""Eager calls timed per path (the same on every rank)."""
 KEY_BYTES = 8
 SAMPLED_RECORD_BYTES = 24
 SAMPLED_TEMPERATURE = 1.0
@@ -542,6 +549,33 @@ class _StepBench:
                             "wire_bytes_per_rank": wire},
                            flag_rate=lambda: flagged[0] if flagged else "")  # fmt: skip
 
+        # ---- eager calls (vLLM's V2 runner does not capture verification) and the host read
+        def strict_call(i: int) -> Any:
+            return shardmax.sharded_verify(
+                xs[i], *vargs[:5], temps, *vargs[5:], vocab_start=vs, num_valid=nv,
+                group=self.pg, mode="strict", logits_processed=False, **vkw,
+            )  # fmt: skip
+
+        def plain_call(i: int) -> Any:
+            return shardmax.sharded_verify(
+                plain_full(xs[i]), *vargs[:5], temps, *vargs[5:], vocab_start=0, mode="fast",
+                **vkw,
+            )  # fmt: skip
+
+        for path, fn, hostread in (
+            ("sharded_strict_eager", strict_call, False),
+            ("sharded_strict_eager_hostread", strict_call, True),
+            ("plain_eager", plain_call, False),
+        ):
+            us = self.reduce_max([self._eager_us(fn, copies, hostread)])[0]
+            self._write({**base, "op": "sampled", "path": path, "transport": "allgather",
+                         "variant": f"T={SAMPLED_TEMPERATURE:g} "
+                         + ("fast" if path == "plain_eager" else "strict"),
+                         "dispatched": False, "p50_us": us, "p50_us_rank0": us,
+                         "launches": EAGER_CALLS, "copies": copies, "correct": True,
+                         "metric": "eager, mean us per call" + (
+                             " + bool(fallback.any())" if hostread else "")})  # fmt: skip
+
         # ---- vLLM unfused get_top_tokens (spec §3.3)
         from benchmarks.local import vllm_unfused_local
 
@@ -567,6 +601,27 @@ class _StepBench:
                     "variant": "all_reduce MAX int64",
                     "wire_bytes_per_rank": wire_bytes_per_rank("floor_allreduce_int64", rows)})  # fmt: skip
         self.log(f"[step] {dtype_name} rows={rows} done")
+
+    def _eager_us(self, fn: Callable[[int], Any], copies: int, hostread: bool) -> float:
+        """Mean wall time (us) of ``EAGER_CALLS`` eager calls (2 on CPU) after 3 warm-ups."""
+        import torch
+
+        def sync() -> None:
+            if getattr(self.dev, "type", "cpu") == "cuda":
+                torch.cuda.synchronize(self.dev)
+
+        calls = EAGER_CALLS if getattr(self.dev, "type", "cpu") == "cuda" else 2
+        for i in range(3):
+            fn(i % copies)
+        sync()
+        self.barrier()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            res = fn(i % copies)
+            if hostread:
+                bool(res.fallback.any())
+        sync()
+        return (time.perf_counter() - t0) / calls * 1e6
 
     def _path(
         self,

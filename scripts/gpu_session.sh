@@ -14,11 +14,12 @@
 #   bash scripts/gpu_session.sh F   every GPU check (strict mode against vLLM's own kernels
 #                                   included: carry .vllm-kernels from scripts/vllm_kernels.sh),
 #                                   then the step benchmark (fast and strict sampled rows)
+#   bash scripts/gpu_session.sh G   the step benchmark alone
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A, B, C, D, E or F}
+STAGE=${1:?stage A, B, C, D, E, F or G}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -115,6 +116,13 @@ F)
     --budget-s "$(left 540)" --out benchmarks/results/sm90 >"$OUT/bench_step.log" 2>&1
   echo "  rc=$?"
   tail -30 "$OUT/bench_step.log"
+  ;;
+G)
+  stamp "step benchmark"
+  SHARDMAX_TABLES_DIR=$TABLES timeout 400 python3 -m benchmarks --part step --budget-s 360 \
+    --out benchmarks/results/sm90 >"$OUT/bench_step.log" 2>&1
+  echo "  rc=$?"
+  tail -22 "$OUT/bench_step.log"
   ;;
 *)
   echo "unknown stage $STAGE" >&2

@@ -304,6 +304,8 @@ def test_smoke_run_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         ("collective", "floor_allreduce_int64"), ("sampled", "sharded_fast"),
         ("sampled", "plain"), ("sampled_nucleus", "sharded_fast"), ("sampled_nucleus", "plain"),
         ("sampled", "sharded_strict"), ("sampled_nucleus", "sharded_strict"),
+        ("sampled", "sharded_strict_eager"), ("sampled", "sharded_strict_eager_hostread"),
+        ("sampled", "plain_eager"),
     }  # fmt: skip
     assert all(r["correct"] == 1 for r in step)
     strict_rows = [r for r in step if r["path"] == "sharded_strict"]
@@ -313,9 +315,13 @@ def test_smoke_run_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         for r in strict_rows
         if r["op"] == "sampled"
     } == {24 * 4}
-    assert "## Sampled verification step, strict mode" in (tmp_path / "SUMMARY.md").read_text()
-    sampled = [r for r in step if r["op"] == "sampled"]
+    summary = (tmp_path / "SUMMARY.md").read_text()
+    assert "## Sampled verification step, strict mode" in summary
+    assert "### Eager calls and the host read" in summary
+    sampled = [r for r in step if r["op"] == "sampled" and "eager" not in r["path"]]
     assert all(0.0 <= r["flag_rate"] <= 1.0 for r in sampled)
+    eager = [r for r in step if "eager" in r["path"]]
+    assert len(eager) == 3 and all(r["p50_us"] > 0 for r in eager)
     assert {r["wire_bytes_per_rank"] for r in sampled if r["path"] == "sharded_fast"} == {24 * 4}
     assert "## Sampled verification step" in (tmp_path / "SUMMARY.md").read_text()
 
