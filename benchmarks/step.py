@@ -34,7 +34,8 @@ Every rank holds its vLLM shard ``[rows, W]`` of the same seeded full logits ``[
     split's top-64 keys ride the all_gather; exact nucleus where the guard passes).
 ``sampled/sharded_strict_eager``, ``sampled/sharded_strict_eager_hostread``, ``sampled/plain_eager``
     the strict and plain sampled steps called eagerly, as vLLM 0.32's V2 runner calls
-    ``sample`` (verification is not graph-captured there): mean wall time per call over a fixed
+    ``sample`` (verification is not graph-captured there) and as the plug-in calls them (value
+    checks off: ``shardmax.validation.value_checks(False)``): mean wall time per call over a fixed
     number of calls on every rank (MAX over ranks), ``_hostread`` adding the plug-in's
     ``bool(fallback.any())`` after every call -- the device sync that decides a native re-run.
 ``sampled/sharded_strict``, ``sampled_nucleus/sharded_strict``
@@ -550,17 +551,21 @@ class _StepBench:
                            flag_rate=lambda: flagged[0] if flagged else "")  # fmt: skip
 
         # ---- eager calls (vLLM's V2 runner does not capture verification) and the host read
+        from shardmax.validation import value_checks
+
         def strict_call(i: int) -> Any:
-            return shardmax.sharded_verify(
-                xs[i], *vargs[:5], temps, *vargs[5:], vocab_start=vs, num_valid=nv,
-                group=self.pg, mode="strict", logits_processed=False, **vkw,
-            )  # fmt: skip
+            with value_checks(False):  # as the vLLM plug-in calls it (no value-check syncs)
+                return shardmax.sharded_verify(
+                    xs[i], *vargs[:5], temps, *vargs[5:], vocab_start=vs, num_valid=nv,
+                    group=self.pg, mode="strict", logits_processed=False, **vkw,
+                )  # fmt: skip
 
         def plain_call(i: int) -> Any:
-            return shardmax.sharded_verify(
-                plain_full(xs[i]), *vargs[:5], temps, *vargs[5:], vocab_start=0, mode="fast",
-                **vkw,
-            )  # fmt: skip
+            with value_checks(False):
+                return shardmax.sharded_verify(
+                    plain_full(xs[i]), *vargs[:5], temps, *vargs[5:], vocab_start=0,
+                    mode="fast", **vkw,
+                )  # fmt: skip
 
         for path, fn, hostread in (
             ("sharded_strict_eager", strict_call, False),

@@ -741,6 +741,7 @@ def _verify_sampled(
 
     from shardmax import sharded_verify
     from shardmax.sampled import max_chunk_rows
+    from shardmax.validation import value_checks
 
     rs = runner.rejection_sampler
     sampler = rs.sampler
@@ -753,27 +754,29 @@ def _verify_sampled(
         mode = "fast"  # vLLM gates each chunk of its own; one call here covers the whole step
     # vLLM's chunk gate, read from its host-side flags (no device sync)
     processed = bool(np.any(sampler.needs_logits_processing[input_batch.idx_mapping_np]))
-    res = sharded_verify(
-        local_logits,
-        draft_sampled,
-        input_batch.cu_num_logits,
-        pos,
-        input_batch.idx_mapping,
-        input_batch.expanded_local_pos,
-        st.temperature.gpu,
-        st.seeds.gpu,
-        rs.num_speculative_steps,
-        vocab_start=vocab_start,
-        num_valid=num_valid,
-        top_k=None,  # gated: no top-k rows reach this path
-        synthetic_conditional_rates=rs.synthetic_conditional_rates,
-        seq_lens=input_batch.seq_lens,
-        prefill_len=prefill_len,
-        use_fp64_gumbel=bool(getattr(sampler, "use_fp64_gumbel", False)),
-        mode=mode,
-        group=_tp_group(local_logits.device),
-        logits_processed=processed if mode == "strict" else None,
-    )
+    # vLLM's own tensors: shapes and dtypes are still checked, the value checks (host syncs) not
+    with value_checks(False):
+        res = sharded_verify(
+            local_logits,
+            draft_sampled,
+            input_batch.cu_num_logits,
+            pos,
+            input_batch.idx_mapping,
+            input_batch.expanded_local_pos,
+            st.temperature.gpu,
+            st.seeds.gpu,
+            rs.num_speculative_steps,
+            vocab_start=vocab_start,
+            num_valid=num_valid,
+            top_k=None,  # gated: no top-k rows reach this path
+            synthetic_conditional_rates=rs.synthetic_conditional_rates,
+            seq_lens=input_batch.seq_lens,
+            prefill_len=prefill_len,
+            use_fp64_gumbel=bool(getattr(sampler, "use_fp64_gumbel", False)),
+            mode=mode,
+            group=_tp_group(local_logits.device),
+            logits_processed=processed if mode == "strict" else None,
+        )
     # One host read per sampled step; identical on every rank, so all ranks take the same branch
     # (the native re-run's collectives stay matched).
     if bool(res.fallback.any()):
