@@ -12,4 +12,6 @@ mypy shardmax generator tuner
 echo "== generator: generated/ up to date, every variant compiles for sm90 and gfx950"
 python -m generator --check --arch all
 echo "== pytest"
-python -m pytest -q "$@"
+# the interpreter is single-threaded: one worker per core (at most 4; SHARDMAX_TEST_WORKERS=0
+# runs in this process)
+python -m pytest -q -n "${SHARDMAX_TEST_WORKERS:-auto}" --maxprocesses 4 "$@"

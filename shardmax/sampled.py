@@ -260,19 +260,16 @@ def chunk_needs_processing(
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
-    *,
-    count_temperature: bool = True,
 ) -> bool:
     """vLLM's chunk gate (``Sampler.apply_sampling_params``, research §1.1): True when a request of
     the batch needs logits processing -- ``T != 0`` and (``T != 1``, ``min_p != 0``, ``0 < k <
     V`` or ``top_p != 1``) -- so vLLM verifies an fp32 processed copy; False: it verifies the raw
     model-dtype logits. Reads the used slots on the host (a device sync). Logits processors
     (penalties, bias, bad words, custom) also make vLLM process a chunk; shardmax does not see
-    them: a caller that has them passes ``logits_processed=True`` to :func:`sharded_verify`.
-    ``count_temperature=False``: only the top-k / top-p / min-p rules count."""
+    them: a caller that has them passes ``logits_processed=True`` to :func:`sharded_verify`."""
     slots = idx_mapping.long()
     t = temperature[slots]
-    need = (t != 1.0) if count_temperature else torch.zeros_like(t, dtype=torch.bool)
+    need = t != 1.0
     if top_k is not None:
         k = top_k[slots].long()
         need |= (k > 0) & (k < vocab)
@@ -436,7 +433,7 @@ class StrictStep(NamedTuple):
     plan: StrictPlan  # where each 8192-block is reduced (shardmax.strict.plan)
     processed: bool  # vLLM verifies an fp32 processed copy (else the raw logits)
     dtype: torch.dtype  # the ranks' logits dtype
-    width: int  # padded local width W of every rank
+    width: int  # row stride of every rank's local logits (W for a contiguous shard)
     temp_row: torch.Tensor  # fp32 [rows] temperature of each logits row
     slot_row: torch.Tensor  # int64 [rows] request-state slot of each logits row
 
@@ -731,7 +728,7 @@ def sampled_finish(
 def strict_step(
     geometry: list[tuple[int, int]],
     dtype: torch.dtype,
-    width: int,
+    row_stride: int,
     rows: int,
     idx_mapping: torch.Tensor,
     chk: _Checked,
@@ -739,12 +736,17 @@ def strict_step(
     params: RowParams,
 ) -> StrictStep:
     """The :class:`StrictStep` of a batch: the strict layout of the geometry and vLLM's chunk
-    gate (``logits_processed``, or :func:`chunk_needs_processing` when None).
+    gate (``logits_processed``, or :func:`chunk_needs_processing` when None). ``row_stride`` is
+    the row stride of the ranks' local logits (the same on every rank): vLLM's raw chunk is the
+    ranks' LM-head outputs gathered and sliced to V, row stride ``tp * row_stride``.
 
     Raises:
         ValueError: the batch has more logits rows than one vLLM verification chunk
             (:func:`max_chunk_rows`: vLLM would gate each chunk separately), the ranks' ranges
-            leave a gap, or ``logits_processed`` is not a bool / None.
+            leave a gap, or (value checks on) ``logits_processed=False`` while a request needs
+            processing (``T`` not 0 / 1, or top-k / top-p / min-p active): vLLM never verifies
+            such a chunk raw.
+        TypeError: ``logits_processed`` is not a bool or None.
     """
     from shardmax.strict import plan
 
@@ -762,18 +764,22 @@ def strict_step(
         processed = logits_processed
     else:
         raise TypeError(
-            f"logits_processed: expected a bool or None, got {type(logits_processed).__name__}"
+            f"logits_processed: expected a Python bool or None, got {logits_processed!r} "
+            f"({type(logits_processed).__module__}.{type(logits_processed).__qualname__})"
         )
-    candidates = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
-    if not processed and candidates and chunk_needs_processing(
-        idx_mapping, chk.temperature, p.vocab, chk.top_k, chk.top_p, chk.min_p,
-        count_temperature=False,
-    ):  # fmt: skip
+    if (
+        not processed
+        and value_checks_enabled(chk.temperature.device)
+        and chunk_needs_processing(
+            idx_mapping, chk.temperature, p.vocab, chk.top_k, chk.top_p, chk.min_p
+        )
+    ):
         raise ValueError(
-            "logits_processed: False, but a request of the batch has top-k / top-p / min-p "
-            "active, which makes vLLM process the chunk"
+            "logits_processed: False, but a request of the batch needs logits processing "
+            "(temperature not 0 or 1, or top-k / top-p / min-p active), so vLLM verifies an "
+            "fp32 processed copy of this chunk, never the raw logits"
         )
-    return StrictStep(p, processed, dtype, width, params.temperature, params.slot)
+    return StrictStep(p, processed, dtype, row_stride, params.temperature, params.slot)
 
 
 def _empty(k: int, dev: torch.device) -> VerifyResult:
@@ -919,7 +925,7 @@ def sharded_verify(
     if mode == "strict":
         geometry = check_geometry(coll, logits, chk.vocab_start, chk.num_valid)
         strict = strict_step(
-            geometry, logits.dtype, logits.shape[1], logits.shape[0], idx_mapping, chk,
+            geometry, logits.dtype, logits.stride(0), logits.shape[0], idx_mapping, chk,
             logits_processed, params,
         )  # fmt: skip
     buf = local_buffer(

@@ -141,7 +141,8 @@ def vllm_row_stride(processed: bool, tp: int, width: int, vocab: int) -> int:
     """Row stride (elements) of the logits tensor vLLM's ``rejection_sample`` reads.
 
     Raw chunk (``processed=False``): the all-gathered LM-head output ``[rows, tp * W]`` sliced to
-    ``V`` columns, a view with row stride ``tp * W``. Processed chunk: ``apply_sampling_params``
+    ``V`` columns, a view with row stride ``tp * W`` (``width`` = the row stride of a rank's
+    local LM-head output, W for a contiguous shard; at TP 1 the output itself, sliced). Processed chunk: ``apply_sampling_params``
     copies the chunk into ``torch.empty_like(logits, dtype=float32)``; the sliced view is not
     dense, so the copy is contiguous: row stride ``V`` (vLLM 0.32 ``Sampler.apply_sampling_params``,
     ``LogitsProcessor._get_logits``).
@@ -224,7 +225,7 @@ def rank_extras(
     (fp32 ``[2, rows, max_full]``) then its raw pieces of cut blocks (``[rows, slots,
     piece_width]`` in the logits dtype). ``temp_row``: fp32 temperature per row. Slots past a
     rank's own blocks / piece lengths are left unwritten (never read)."""
-    rows, width = logits.shape
+    rows = logits.shape[0]
     dev = logits.device
     if out is None:
         out = torch.empty(extras_words(p, rows, logits.dtype), dtype=torch.int64, device=dev)
@@ -233,7 +234,7 @@ def rank_extras(
     s = p.starts[rank]
     fb, nf = p.full[rank]
     if nf and rows:
-        stride = vllm_row_stride(processed, tp, width, p.vocab)
+        stride = vllm_row_stride(processed, tp, logits.stride(0), p.vocab)
         aligned = stride % 16 == 0
         lo = fb * VOCAB_BLOCK - s
         hi = min((fb + nf) * VOCAB_BLOCK, p.vocab) - s

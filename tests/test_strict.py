@@ -190,10 +190,18 @@ def test_chunk_gate_is_vllms() -> None:
 
 
 def test_strict_errors() -> None:
+    import numpy as np
+
     b, temps = _batch(3, 9001, 1, torch.float32)
     a = b.args()
     with pytest.raises(TypeError, match="logits_processed"):
         _emulate(b, temps, 2, mode="strict", logits_processed="yes")
+    with pytest.raises(TypeError, match=r"numpy\.bool"):
+        _emulate(b, temps, 2, mode="strict", logits_processed=np.bool_(True))
+    # T = 0.7 somewhere: vLLM never verifies that chunk raw
+    t07 = torch.full_like(temps, 0.7)
+    with pytest.raises(ValueError, match="needs logits processing"):
+        _emulate(b, t07, 2, mode="strict", logits_processed=False)
     top_k = torch.full((b.max_num_reqs,), 5, dtype=torch.int32)
     temps1 = torch.ones_like(temps)
     with pytest.raises(ValueError, match="logits_processed: False"):
@@ -206,3 +214,29 @@ def test_strict_errors() -> None:
     params = RowParams(*(torch.zeros(5) for _ in range(5)))
     with pytest.raises(ValueError, match="exceed one vLLM verification chunk"):
         strict_step([(0, 2**28)], torch.float32, 2**28, 5, torch.tensor([0]), chk, True, params)
+
+
+def test_strict_models_the_row_stride_of_a_sliced_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TP-1 caller passing vLLM's own sliced view (``[:, :V]`` of the padded LM-head output):
+    vLLM's row stride is the padded width, and strict mode must model that one, not ``V``."""
+    import shardmax.sampled as sm
+
+    b, temps = _batch(8, 10001, 1, torch.bfloat16)  # V % 16 != 0
+    padded = torch.zeros(b.logits.shape[0], 10048, dtype=torch.bfloat16)
+    padded[:, :10001] = b.logits
+    view = padded[:, :10001]
+    seen = []
+    real = sm.strict_step
+
+    def spy(geometry, dtype, row_stride, *rest):
+        seen.append(row_stride)
+        return real(geometry, dtype, row_stride, *rest)
+
+    monkeypatch.setattr(sm, "strict_step", spy)
+    a = b.args()
+    got = shardmax.sharded_verify(view, *a[:5], temps, *a[5:], vocab_start=0, mode="strict",
+                                  **b.kwargs())  # fmt: skip
+    assert seen == [10048] and strict.vllm_row_stride(False, 1, seen[0], 10001) % 16 == 0
+    want = _emulate(b, temps, 1, mode="strict")
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)

@@ -97,7 +97,7 @@ def emulate_verify(
     strict = None
     if mode == "strict":
         geometry = [(sh.vocab_start, sh.num_valid) for sh in shards]
-        width = shards[0].local_logits.shape[1]
+        width = shards[0].local_logits.stride(0)
         strict = strict_step(
             geometry, full_logits.dtype, width, full_logits.shape[0], idx_mapping, chk,
             logits_processed, params,
