@@ -1,6 +1,7 @@
-"""The main job's demonstration: one draft-side argmax and one verification step on a real
-model's vocabulary geometry, every TP rank emulated in this process, with the bytes that cross
-ranks compared to the full-logits all-gather they replace.
+"""The main job's demonstration: one draft-side argmax, one greedy verification step and a few
+sampled requests (strict and fast mode) on a real model's vocabulary geometry, every TP rank
+emulated in this process, with the bytes that cross ranks compared to the full-logits
+all-gather they replace.
 
     python -m shardmax.demo [--vocab 200064] [--tp 4] [--rows 32] [--reqs 24] [--k 3]
 
@@ -13,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         # Triton reads TRITON_INTERPRET when it is imported: start again with it set.
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         os.execve(sys.executable, [sys.executable, "-m", "shardmax.demo", *sys.argv[1:]], env)
+    if not cuda:  # x / T on the greedy rows' T = 0 lanes, discarded by a where: numpy warns
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton")
     from shardmax import reference
     from shardmax.dispatch import Problem, alignment_of, select
     from shardmax.testing import (
@@ -122,7 +126,57 @@ def main(argv: list[str] | None = None) -> int:
         f"for the full-logits all-gather in {args.dtype} ({plain / sharded:,.0f}x less; "
         f"{_bytes(rows * w * 4)} in fp32)"
     )
-    return 0 if ok and same else 1
+    # 3. target side, sampled requests: strict mode (vLLM's LSE bits) and fast mode
+    ok3 = _sampled_demo(args, dtype, dev, elem, w)
+    return 0 if ok and same and ok3 else 1
+
+
+def _sampled_demo(
+    args: argparse.Namespace, dtype: torch.dtype, dev: str, elem: int, w: int
+) -> bool:
+    """A few sampled requests (temperature 0.7 / 1.0 / 1.3 next to greedy ones) verified by
+    every emulated rank in strict and in fast mode, checked against the sampled reference."""
+    from shardmax.reference_sampled import verify_sampled
+    from shardmax.strict import extras_words, plan
+    from shardmax.testing import emulate_verify, random_verify_batch, shard_like_vllm
+
+    reqs = max(1, min(args.reqs, 6))
+    batch = random_verify_batch(reqs, args.k, args.vocab, seed=2, dtype=dtype, device=dev)
+    temps = torch.tensor([0.0, 0.7, 1.0, 1.3], device=dev)[
+        torch.arange(batch.max_num_reqs, device=dev) % 4
+    ]
+    d, cu, pos, idx, elp, seed, k = batch.args()
+    kw = batch.kwargs()
+    want = verify_sampled(batch.logits, d, cu, pos, idx, elp, temps, seed, k, **kw)
+    rows = batch.logits.shape[0]
+    used = ", ".join(f"{t:g}" for t in temps[idx.long()].tolist())
+    print(f"\n[sampled] {reqs} requests, temperatures {used} (0 = greedy)")
+    ok = True
+    for mode in ("strict", "fast"):
+        t0 = time.perf_counter()
+        got = emulate_verify(
+            batch.logits, args.tp, d, cu, pos, idx, elp, temps, seed, k, mode=mode, **kw
+        )
+        dt = time.perf_counter() - t0
+        keep = ~got.fallback
+        same = all(
+            torch.equal(g[keep].cpu(), x[keep].cpu()) for g, x in zip(got[:3], want, strict=True)
+        )
+        ok &= same
+        print(
+            f"  {mode:6}: num_sampled {got.num_sampled.tolist()}, fallback "
+            f"{int(got.fallback.sum())}/{reqs}, == reference on the others: {same} ({dt:.2f} s)"
+        )
+    shards = shard_like_vllm(batch.logits, args.tp)
+    p = plan([(sh.vocab_start, sh.num_valid) for sh in shards])
+    fast_b = 24 * rows
+    strict_b = fast_b + 8 * extras_words(p, rows, dtype)
+    print(
+        f"  bytes leaving each rank: fast {_bytes(fast_b)}, strict {_bytes(strict_b)} "
+        f"(vLLM's block statistics + the raw values of {len(p.cut_blocks)} cut blocks) vs "
+        f"{_bytes(rows * w * elem)} for the full-logits all-gather"
+    )
+    return ok
 
 
 if __name__ == "__main__":

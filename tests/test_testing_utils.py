@@ -398,3 +398,13 @@ def test_testing_package_exports():
     assert {"emulate_greedy_verify", "emulate_vocab_parallel_argmax"} <= set(testing.__all__)
     with pytest.raises(AttributeError):
         _ = testing.no_such_name  # type: ignore[attr-defined]
+
+
+def test_demo_runs_end_to_end_on_a_small_geometry(capsys: pytest.CaptureFixture[str]) -> None:
+    """The main job's demo (argmax, greedy verification, strict + fast sampled requests) exits 0
+    only when every part equals its reference."""
+    from shardmax import demo
+
+    assert demo.main(["--vocab", "9001", "--tp", "3", "--rows", "8", "--reqs", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "[sampled]" in out and "strict:" in out and "== reference on the others: True" in out
