@@ -22,6 +22,19 @@ from .render import generated_dir, render_all, stale_files, write_all
 from .space import ARCHES
 
 
+def stale_resources(out: Path, variants: list[str]) -> list[str]:
+    """Arches whose ``resources.json`` (the AOT report the tuner prunes with) does not list
+    exactly these variants (``"sm90: 3 missing, 0 extra"``)."""
+    problems = []
+    for arch in ARCHES:
+        path = out / arch / "resources.json"
+        have = set(json.loads(path.read_text()).get("variants", {})) if path.exists() else set()
+        missing, extra = set(variants) - have, have - set(variants)
+        if missing or extra:
+            problems.append(f"{arch}: {len(missing)} missing, {len(extra)} extra")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m generator",
@@ -59,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{' ...' if len(stale) > 8 else ''}\nrun: python -m generator",
                 file=sys.stderr,
             )
+            return 1
+        missing = stale_resources(out, [n[:-3] for n in names])
+        if missing:
+            print(f"generated/<arch>/resources.json is stale: {missing}\nrun: python -m "
+                  "generator --arch all", file=sys.stderr)  # fmt: skip
             return 1
         print(f"generated/ is up to date ({len(names)} variants)")
     else:

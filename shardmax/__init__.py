@@ -8,8 +8,10 @@ num_sampled / num_rejected), bit-identical to vLLM on the full logits.
 Public API:
     vocab_parallel_argmax      draft-side argmax over vocab shards
     sharded_greedy_verify      target-side greedy / synthetic verification over vocab shards
-    sharded_verify             target-side verification of greedy + temperature-sampled
-                               requests (compact mode; returns a per-request fallback mask)
+    sharded_verify             target-side verification of greedy and sampled requests
+                               (temperature, top-k, top-p, min-p); mode="fast" (default,
+                               compact records) or "strict" (vLLM's acceptance LSE bit for
+                               bit); returns a per-request fallback mask and reason
     can_shard_verify           per-step gate: may this step take the sharded verification?
 
 See README.md for the semantics contract and the data flow of one step.
