@@ -32,6 +32,7 @@ records (:func:`extras_words` int64 words per rank).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,13 +87,19 @@ class StrictPlan:
     piece_width: int  # elements per piece slot (the longest piece)
 
 
-def plan(geometry: list[tuple[int, int]]) -> StrictPlan:
-    """The strict layout of a shard geometry ``[(vocab_start, num_valid)]`` in rank order.
+def plan(geometry: Sequence[tuple[int, int]]) -> StrictPlan:
+    """The strict layout of a shard geometry ``[(vocab_start, num_valid)]`` in rank order
+    (computed once per geometry: every strict step asks for it).
 
     Raises:
         ValueError: the ranks' ranges do not tile ``[0, V)`` without gaps (vLLM's row has every
             id; a gap would have no value to reduce).
     """
+    return _plan(tuple((int(s), int(n)) for s, n in geometry))
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(geometry: tuple[tuple[int, int], ...]) -> StrictPlan:
     pos = 0
     for r, (s, n) in enumerate(geometry):
         if n and s != pos:
