@@ -87,7 +87,13 @@ class StepPlan:
 
 
 def wire_bytes_per_rank(
-    path: str, rows: int, *, splits: int = 1, width: int = 0, elem_size: int = 0
+    path: str,
+    rows: int,
+    *,
+    splits: int = 1,
+    width: int = 0,
+    elem_size: int = 0,
+    candidates: int = 64,
 ) -> int:
     """Bytes each rank contributes to the step's collective (what crosses the link from it).
 
@@ -96,9 +102,10 @@ def wire_bytes_per_rank(
     ``vllm_unfused``: ``8 * rows`` (an fp32 (value, id) pair per row);
     ``floor_allreduce_int64``: ``8 * rows``;
     ``sharded_fast`` (sampled verification): ``24 * splits * rows`` (one fp32-Gumbel record per
-    row and record split, :func:`shardmax.sampled.record_splits`);
-    ``sharded_nucleus`` (+ top-k / top-p): ``(32 + 8 * 64) * splits * rows`` (the record gains
-    the split's smallest finite value; each record split sends its top-64 candidate keys).
+    row and record split, :func:`shardmax.sampled.record_launch`);
+    ``sharded_nucleus`` (+ top-k / top-p): ``(32 + 8 * C) * splits * rows`` (the record gains
+    the split's smallest finite value; each record split sends its top-C candidate keys,
+    ``C = candidates``).
     """
     if rows < 0 or splits < 1:
         raise ValueError(f"rows={rows}, splits={splits}")
@@ -113,9 +120,7 @@ def wire_bytes_per_rank(
     if path == "sharded_fast":
         return SAMPLED_RECORD_BYTES * splits * rows
     if path == "sharded_nucleus":
-        from shardmax.sampled import TOPK_CANDIDATES
-
-        return (SAMPLED_RECORD_BYTES + 8 + 8 * TOPK_CANDIDATES) * splits * rows
+        return (SAMPLED_RECORD_BYTES + 8 + 8 * candidates) * splits * rows
     raise ValueError(f"unknown path {path!r}")
 
 
@@ -398,7 +403,7 @@ class _StepBench:
         vargs, vkw = batch.args(), batch.kwargs()
         want_v = reference.greedy_verify(full, *vargs, **vkw)
         from shardmax.reference_sampled import verify_sampled
-        from shardmax.sampled import DEFAULT_RECORD_BLOCK, record_splits
+        from shardmax.sampled import record_launch
 
         temps = torch.full(
             (batch.seed.shape[0],), SAMPLED_TEMPERATURE, dtype=torch.float32, device=dev
@@ -500,7 +505,7 @@ class _StepBench:
         # ---- sampled verification (temperature 1.0 everywhere), fast mode vs gather + same
         # kernels; "sampled" = temperature only, "sampled_nucleus" = + top-k 20 and top-p 0.95
         flagged: list[float] = []
-        sampled_splits = record_splits(rows, width, DEFAULT_RECORD_BLOCK, dev)
+        launch = record_launch(xs[0], tp)  # what sharded_verify selects for this step
         for op, extra, want_x in (("sampled", {}, want_s), ("sampled_nucleus", nucleus_kw, want_n)):
 
             def same_sampled(got: Any, want_x: Any = want_x) -> bool:
@@ -530,11 +535,14 @@ class _StepBench:
                 )  # fmt: skip
 
             wire_s = wire_bytes_per_rank(
-                "sharded_fast" if not extra else "sharded_nucleus", rows, splits=sampled_splits
-            )
+                "sharded_fast" if not extra else "sharded_nucleus", rows, splits=launch.splits,
+                candidates=launch.candidates,
+            )  # fmt: skip
             variant = f"T={SAMPLED_TEMPERATURE:g} fast" + (
                 f" top_k={NUCLEUS_TOP_K} top_p={NUCLEUS_TOP_P:g}" if extra else ""
             )
+            variant += f" {launch.variant.removeprefix('sampled_record_')} x{launch.splits}"
+            variant += f" w{launch.num_warps}" + (f" C={launch.candidates}" if extra else "")
             wire_strict = wire_s + strict_extra_bytes(rows, plan.vocab, tp, es)
             for path, fn, wire in (
                 ("sharded_fast", sampled_sharded, wire_s),

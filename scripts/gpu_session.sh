@@ -15,11 +15,14 @@
 #                                   included: carry .vllm-kernels from scripts/vllm_kernels.sh),
 #                                   then the step benchmark (fast and strict sampled rows)
 #   bash scripts/gpu_session.sh G   the step benchmark alone
+#   bash scripts/gpu_session.sh H   the sampled GPU tests (every C), then the sampled record
+#                                   kernel's sweep (block, splits, warps, C): V=151936 on GPU 0,
+#                                   V=200064 on GPU 1, merged into out/tables/sm90/sampled.json
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A, B, C, D, E, F or G}
+STAGE=${1:?stage A, B, C, D, E, F, G or H}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -124,6 +127,36 @@ G)
   echo "  rc=$?"
   tail -22 "$OUT/bench_step.log"
   ;;
+H)
+  stamp "sampled GPU tests (every C a table may pick, record candidates, fast mode)"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -k "sampled or record_candidates or strict or layout" \
+    tests/test_gpu.py tests/test_strict_vllm.py 2>&1 | tail -6
+  stamp "sampled sweep: V=151936 on GPU 0, V=200064 on GPU 1 (bf16, TP 2/4/8)"
+  budget=$(($(left 540) - 30))
+  for g in 0 1; do
+    vocab=$([ $g = 0 ] && echo 151936 || echo 200064)
+    tune $g sampled "tune_H_$vocab.log" --out "$TABLES/g$g" --studies-dir "$OUT/studies_g$g" \
+      --dtype bf16 --tp 2 4 8 --vocab "$vocab" --rows 1 4 16 64 256 1024 \
+      --n-trials 14 --budget-s "$budget" &
+  done
+  wait
+  python3 - "$TABLES" <<'PY'
+import json, sys
+from pathlib import Path
+from shardmax.tuner import export
+root = Path(sys.argv[1])
+tables = [export.read_table(root / f"g{g}" / "sm90" / "sampled.json") for g in (0, 1)]
+tables = [t for t in tables if t is not None]
+if tables:
+    new = [r for t in tables for r in t["rows"] if r["match"] and r.get("tuned", True)]
+    prov = dict(tables[0]["provenance"], mode="single-gpu record kernel step (record + merge + "
+                "finish on tp copies of one rank's buffer); two GPUs, one vocabulary each")
+    path = export.write_table(root, "sm90", "sampled", new, prov, tuned=True)
+    print(f"  merged {len(new)} tuned rows -> {path}")
+    from shardmax.tuner.plot import plot_table
+    print(f"  plot {plot_table(path)}")
+PY
+  ;;
 *)
   echo "unknown stage $STAGE" >&2
   exit 2
@@ -133,7 +166,7 @@ esac
 stamp "dispatcher with the new tables"
 SHARDMAX_TABLES_DIR=$TABLES python3 - <<'PY'
 from shardmax.dispatch import Problem, select
-for op in ("argmax", "verify"):
+for op in ("argmax", "verify", "sampled"):
     for tp, w in ((4, 50016), (2, 100032), (1, 200064)):
         s = select(Problem(op, "bf16", tp, 96, w, 16))
         print(f"  {op:6} V=200064 TP{tp} 96 rows -> {s.variant} {s.launch} tuned={s.is_tuned}")

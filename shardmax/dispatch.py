@@ -37,7 +37,9 @@ from shardmax.variants import TRANSPORTS, VariantKey, finish_variant, parse_name
 
 log = logging.getLogger("shardmax.dispatch")
 
-OPS = ("argmax", "verify")
+OPS = ("argmax", "verify", "sampled")
+"""``argmax`` / ``verify``: the greedy local stage (``shard_keys_*``); ``sampled``: the sampled
+verification record kernel (``sampled_record_*``, :func:`shardmax.sharded_verify`)."""
 PLAIN = "plain"
 """Selection.variant of the unsharded path: all-gather the full logits, then reduce."""
 
@@ -50,7 +52,7 @@ MAX_SPLITS = 32
 class Problem:
     """What the dispatcher keys on. ``width`` is the local padded shard width W."""
 
-    op: str  # "argmax" | "verify"
+    op: str  # "argmax" | "verify" | "sampled"
     dtype: str  # "bf16" | "fp16" | "fp32"
     tp: int
     rows: int
@@ -65,7 +67,9 @@ class Problem:
 
 @dataclass(frozen=True)
 class Selection:
-    """The dispatcher's answer. ``variant`` is a ``shard_keys_*`` name or ``"plain"``."""
+    """The dispatcher's answer. ``variant`` is a ``shard_keys_*`` name or ``"plain"`` (ops
+    ``argmax`` / ``verify``), or a ``sampled_record_*`` name (op ``sampled``, whose launch also
+    holds ``candidates``, the C of a candidate step)."""
 
     variant: str
     launch: dict[str, Any] = field(hash=False, compare=True)
@@ -79,6 +83,11 @@ class Selection:
     @property
     def splits(self) -> int:
         return int(self.launch.get("splits", 1))
+
+    @property
+    def candidates(self) -> int:
+        """C of a sampled step's candidate selection (op ``sampled``; 64 when not given)."""
+        return int(self.launch.get("candidates", 64))
 
     def finish_variant(self, op: str, tp: int) -> str:
         return finish_variant(op, tp, self.transport)
@@ -102,11 +111,28 @@ def alignment_of(t: torch.Tensor) -> int:
 
 
 def builtin_default(problem: Problem, target_programs: int = TARGET_PROGRAMS) -> Selection:
-    """Portable default: block 4096 (1024 for narrow shards), ~2 programs per SM, 8 warps.
+    """Portable default: block 4096 (1024 for narrow shards), ~2 programs per SM, 8 warps; op
+    ``sampled``: the record kernel at block 2048, 4 warps, C = 64 and
+    :func:`shardmax.sampled.default_record_splits` programs per row.
 
     ``target_programs`` is the number of local-stage programs to aim for (1 on CPU, where the
     interpreter runs programs one after another and more splits only cost time).
     """
+    if problem.op == "sampled":
+        from shardmax.sampled import DEFAULT_RECORD_BLOCK, TOPK_CANDIDATES, default_record_splits
+
+        rec = VariantKey("sampled_record", dtype=problem.dtype, block=DEFAULT_RECORD_BLOCK)
+        splits = default_record_splits(
+            problem.rows, problem.width, DEFAULT_RECORD_BLOCK, target_programs
+        )
+        launch = {
+            "splits": splits,
+            "num_warps": 4,
+            "num_stages": 2,
+            "candidates": TOPK_CANDIDATES,
+            "transport": "allgather",
+        }
+        return Selection(rec.name, launch, is_tuned=False, source="builtin")
     block = 4096 if problem.width >= 4096 else 1024
     max_splits = max(1, triton.cdiv(problem.width, block))
     want = triton.cdiv(target_programs, max(problem.rows, 1))
@@ -158,7 +184,8 @@ _MATCH_TYPES: dict[str, Any] = {
 
 def validate_launch(launch: dict[str, Any], where: str) -> None:
     """Launch parameters must be usable: splits >= 1, num_warps a power of two in [1, 32],
-    num_stages >= 1, transport one of the transports. Raises ValueError naming the field."""
+    num_stages >= 1, transport one of the transports, candidates (when given) one of
+    :data:`shardmax.sampled.CANDIDATE_CHOICES`. Raises ValueError naming the field."""
     splits = launch.get("splits", 1)
     if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
         raise ValueError(f"{where}: splits must be an int >= 1, got {splits!r}")
@@ -172,13 +199,20 @@ def validate_launch(launch: dict[str, Any], where: str) -> None:
         raise ValueError(
             f"{where}: transport must be one of {TRANSPORTS}, got {launch.get('transport')!r}"
         )
+    if "candidates" in launch:
+        from shardmax.sampled import CANDIDATE_CHOICES
+
+        c = launch["candidates"]
+        if isinstance(c, bool) or c not in CANDIDATE_CHOICES:
+            raise ValueError(f"{where}: candidates must be one of {CANDIDATE_CHOICES}, got {c!r}")
 
 
 def validate_table(table: Any, where: str = "table") -> None:
     """Schema check of a tuned table; raises ValueError naming the file, row and field.
 
     Required keys with their types, ``op``/``arch`` values, every row's ``match`` (known keys,
-    typed values), variant (``plain`` or a generated ``shard_keys_*`` module), launch
+    typed values), variant (``plain`` or a generated ``shard_keys_*`` module; op ``sampled``: a
+    generated ``sampled_record_*`` module, with ``candidates`` in its launch), launch
     parameters (:func:`validate_launch`) and a catch-all row (``"match": {}``) last.
     """
     if not isinstance(table, dict):
@@ -209,16 +243,21 @@ def validate_table(table: Any, where: str = "table") -> None:
             if not ok or isinstance(v, bool):
                 raise ValueError(f"{at}: match {k}={v!r} has the wrong type or value")
         variant = row.get("variant")
+        sampled = table["op"] == "sampled"
+        if variant == PLAIN and sampled:
+            raise ValueError(
+                f"{at}: op sampled has no plain path; variant must be sampled_record_*"
+            )
         if variant != PLAIN:
             key = parse_name(str(variant))
-            if key.family != "shard_keys":
-                raise ValueError(f"{at}: variant {variant!r} is not a shard_keys_* variant")
+            family = "sampled_record" if sampled else "shard_keys"
+            if key.family != family:
+                raise ValueError(f"{at}: variant {variant!r} is not a {family}_* variant")
             load(str(variant))  # ValueError if it is not a generated module
             launch = row.get("launch")
-            if not isinstance(launch, dict) or not {"splits", "num_warps", "transport"} <= set(
-                launch
-            ):
-                raise ValueError(f"{at}: launch lacks splits/num_warps/transport")
+            need = {"splits", "num_warps", "transport"} | ({"candidates"} if sampled else set())
+            if not isinstance(launch, dict) or not need <= set(launch):
+                raise ValueError(f"{at}: launch lacks {'/'.join(sorted(need))}")
             validate_launch(launch, at)
     if rows[-1]["match"] != {}:
         raise ValueError(f'{where}: the last row must be the catch-all ("match": {{}})')
@@ -241,6 +280,15 @@ def _adapt(row: dict[str, Any], p: Problem, tuned: bool, source: str) -> Selecti
     if variant == PLAIN:
         return Selection(PLAIN, launch, tuned, source)
     key = parse_name(variant)
+    if key.family == "sampled_record":
+        if key.dtype != p.dtype:
+            key = VariantKey("sampled_record", dtype=p.dtype, block=key.block)
+            tuned = False
+        from shardmax.sampled import MAX_RECORD_SPLITS
+
+        cap = min(MAX_RECORD_SPLITS, max(1, triton.cdiv(p.width, int(key.block or 1))))
+        launch["splits"] = max(1, min(int(launch["splits"]), cap))
+        return Selection(key.name, launch, tuned, source)
     if key.dtype != p.dtype or key.align != p.align:
         key = VariantKey("shard_keys", dtype=p.dtype, align=p.align, block=key.block)
         tuned = False  # adapted to another dtype/alignment: not what was measured
@@ -253,6 +301,7 @@ _logged: set[tuple[Any, ...]] = set()
 
 
 _override: dict[str, Any] | None = None
+_OVERRIDE_FIELDS = ("variant", "transport", "splits", "num_warps", "num_stages", "candidates")
 
 
 @contextlib.contextmanager
@@ -260,12 +309,13 @@ def override(**fields: Any) -> Iterator[None]:
     """Force parts of every selection inside the block (tests, benchmarks, the tuner).
 
     ``variant`` replaces the variant name (``"plain"`` forces the unsharded path); any other
-    keyword (``transport``, ``splits``, ``num_warps``, ``num_stages``) replaces that launch
-    parameter. Forced selections report ``is_tuned=False`` and ``source="override"``. Not
+    keyword (``transport``, ``splits``, ``num_warps``, ``num_stages``, ``candidates``) replaces
+    that launch parameter. The override applies to every op's selection, so force a variant of
+    one op only inside calls of that op. Forced selections report ``is_tuned=False`` and ``source="override"``. Not
     thread-safe; every rank must enter the same override.
     """
     global _override
-    unknown = set(fields) - {"variant", "transport", "splits", "num_warps", "num_stages"}
+    unknown = set(fields) - set(_OVERRIDE_FIELDS)
     if unknown:
         raise TypeError(f"override: unknown fields {sorted(unknown)}")
     if "variant" in fields and fields["variant"] != PLAIN:
@@ -333,6 +383,29 @@ def _select_cached(problem: Problem) -> Selection:
 select.cache_clear = _select_cached.cache_clear  # type: ignore[attr-defined]
 
 
+def _warmup_records(logits: torch.Tensor, num_valid: int, sel: Selection) -> list[str]:
+    """One launch of a ``sampled`` selection's record kernel per step kind (records only, and
+    with candidates), with the launch parameters a real step uses."""
+    from shardmax.sampled import sampled_records
+
+    rows, dev = logits.shape[0], logits.device
+    params = (
+        torch.ones(rows, dtype=torch.float32, device=dev),
+        torch.zeros(rows, dtype=torch.int64, device=dev),
+        torch.arange(rows, dtype=torch.int64, device=dev),
+        torch.full((rows,), -1, dtype=torch.int64, device=dev),
+    )
+    names = []
+    for with_candidates in (False, True):
+        sampled_records(
+            logits, 0, num_valid, params, sel.variant, False,
+            num_warps=int(sel.launch.get("num_warps", 4)), splits=sel.splits,
+            with_candidates=with_candidates, candidates=sel.candidates,
+        )  # fmt: skip
+        names.append(f"{sel.variant}[C={sel.candidates}]" if with_candidates else sel.variant)
+    return names
+
+
 def warmup(
     problems: list[Problem],
     *,
@@ -346,8 +419,10 @@ def warmup(
     specialisation) and its finish kernel for the problem's TP size; for ``verify`` problems,
     once per K in ``num_speculative_steps`` and per synthetic / chunked-prefill flag, with vLLM's
     index dtypes (int32 drafts, cu_num_logits, idx_mapping, seq_lens, prefill_len; int64
-    positions and seeds). Sizes are not specialised by the kernels, so afterwards a CUDA graph of
-    any batch size of these problems captures without compiling. No collective is issued.
+    positions and seeds). ``sampled`` problems launch their record kernel (records only, and
+    with the selection's C candidates; the merge and finish kernels compile on a step's first
+    call). Sizes are not specialised by the kernels, so afterwards a CUDA graph of any batch size
+    of these problems captures without compiling. No collective is issued.
 
     Returns the names of the kernels launched.
     """
@@ -368,6 +443,9 @@ def warmup(
         width = p.width if p.align == 1 or p.width % 16 == 0 else p.width + 16 - p.width % 16
         rows = max(1, p.rows)
         logits = torch.randn(rows, width, generator=gen).to(dtypes[p.dtype]).to(dev)
+        if p.op == "sampled":
+            launched += _warmup_records(logits, p.width, sel)
+            continue
         keys = kernels.shard_keys(
             logits,
             0,

@@ -96,6 +96,7 @@ def can_shard_verify(
     num_draft_tokens: int = 1,
     allow_temperature: bool = False,
     allow_top_k: bool = False,
+    candidates: int | None = None,
 ) -> ShardDecision:
     """Decide whether one verification step may use the sharded greedy path (spec §5).
 
@@ -122,8 +123,11 @@ def can_shard_verify(
             rule is unchanged (top-k / top-p / min-p must still be disabled). Default ``False``:
             greedy only.
         allow_top_k: with ``allow_temperature``, also accept top-k requests whose ``k`` fits the
-            fast mode's candidates (``0 < k < shardmax.sampled.TOPK_CANDIDATES``; a top-k on a
-            greedy request is ignored, as vLLM ignores it). Larger ``k`` is refused with a reason.
+            step's candidates (``0 < k < candidates``; a top-k on a greedy request is ignored,
+            as vLLM ignores it). Larger ``k`` is refused with a reason.
+        candidates: the step's C, ``shardmax.sampled.record_launch(local_logits, tp).candidates``
+            (it depends on the step's shape and the tuned table); None: the built-in default
+            :data:`shardmax.sampled.TOPK_CANDIDATES` (64).
 
     Returns:
         :class:`ShardDecision`; e.g. ``ShardDecision(False, "temperature[3]=0.7 != 0
@@ -145,15 +149,15 @@ def can_shard_verify(
     if top_k is not None:
         from shardmax.sampled import TOPK_CANDIDATES
 
+        cap = TOPK_CANDIDATES if candidates is None else candidates
         for i, k in enumerate(top_k):
             if k > 0 and (vocab_size is None or k != vocab_size):
                 if not allow_top_k:
                     return _no(f"top_k[{i}]={k} != vocab_size={vocab_size} (top-k active)")
                 greedy = i < len(temperatures) and temperatures[i] == 0.0
-                if not greedy and k >= TOPK_CANDIDATES:
+                if not greedy and k >= cap:
                     return _no(
-                        f"top_k[{i}]={k} >= {TOPK_CANDIDATES} (more than the fast mode's "
-                        "top-k candidates)"
+                        f"top_k[{i}]={k} >= {cap} (more than the fast mode's top-k candidates)"
                     )
     if top_p is not None:
         for i, p in enumerate(top_p):

@@ -12,9 +12,11 @@ of one call on one TP rank, one collective per step::
 
 A candidate step is one with top-k, top-p or min-p requests.
 
-``S`` = :func:`record_splits` programs per row (1 for a batch that fills the GPU on its own; up to
-32 for a few rows, so a decode step with one request does not run one program over the whole
-shard); the finish combines the ``N = tp * S`` records of a row exactly as it combines ranks.
+The record kernel's tile, ``S`` programs per row, warps and ``C`` come from the dispatcher
+(:func:`record_launch`: the tuned ``generated/<arch>/sampled.json``, else the built-in rule:
+1 program per row for a batch that fills the GPU on its own, up to 32 for a few rows, C = 64);
+the finish combines the ``N = tp * S`` records of a row exactly as it combines ranks. None of
+them changes a token or count of a request that is not flagged.
 
 Exactness (vs :func:`shardmax.reference_sampled.verify_sampled` and vLLM):
 
@@ -25,7 +27,7 @@ Exactness (vs :func:`shardmax.reference_sampled.verify_sampled` and vLLM):
   research §2.3) sets ``fallback`` for its request -- all other decisions are vLLM's;
 * temperature acceptance, strict mode: vLLM's fp32 LSE bits (:mod:`shardmax.strict`: the strict
   extras ride in the same all_gather after the records), every decision is vLLM's;
-* top-k requests (``0 < k < C = TOPK_CANDIDATES``): the kept set comes from the top-C packed
+* top-k requests (``0 < k < C``, the step's candidates): the kept set comes from the top-C packed
   keys of ``x`` of every record split of every rank (selected in the record kernel's second
   pass), merged by ``sampled_merge`` into an exact prefix of the row's (value desc, id asc)
   order -- vLLM's converged top-k, ties at the k-th value by lowest id; acceptance as above with
@@ -72,19 +74,36 @@ __all__ = [
 ]
 
 DEFAULT_RECORD_BLOCK = 2048
-"""Record-kernel tile when nothing else is asked (untuned; any block gives the same keys)."""
+"""Record-kernel tile of the built-in default (:func:`shardmax.dispatch.builtin_default`); any
+block gives the same keys."""
 MAX_RECORD_SPLITS = 32
 TOPK_CANDIDATES = 64
-"""Candidates per row and record split (a power of two): requests with top-k ``k < 64`` run
-sharded, larger ``k`` come back in ``fallback``. Static, so a captured CUDA graph never
-reallocates."""
-CANDIDATE_CAPACITY = 4 * TOPK_CANDIDATES
-"""Keys at or above a split's selection threshold the record kernel can hold (a power of two);
-beyond it the split's candidates are unknown and the rows that need them fall back."""
-SELECTION_GROUPS = 128
-"""Lane groups of the record kernel's candidate selection: the threshold is the
-``TOPK_CANDIDATES``-th largest group maximum, so about ``C + C**2 / (2 * groups)`` (80) keys of a
-split reach it on unstructured rows, well within :data:`CANDIDATE_CAPACITY`."""
+"""C of the built-in default: candidates per row and record split (a power of two). Requests
+with top-k ``k < C`` run sharded, larger ``k`` come back in ``fallback``. The dispatcher's
+selection (``launch["candidates"]``, one of :data:`CANDIDATE_CHOICES`) sets the C of a step; it
+depends only on the step's shape, so a captured CUDA graph never reallocates."""
+CANDIDATE_CHOICES = (32, 64, 128)
+"""The C a table row may select (the tuner's ``candidates`` axis)."""
+
+
+def candidate_capacity(candidates: int) -> int:
+    """Keys at or above a split's selection threshold the record kernel can hold (``4 C``, a
+    power of two); beyond it the split's candidates are unknown and the rows that need them fall
+    back."""
+    return 4 * candidates
+
+
+def selection_groups(candidates: int) -> int:
+    """Lane groups of the record kernel's candidate selection (``2 C``): the threshold is the
+    C-th largest group maximum, so about ``C + C**2 / (2 * groups)`` (``1.25 C``) keys of a split
+    reach it on unstructured rows, well within :func:`candidate_capacity`."""
+    return 2 * candidates
+
+
+CANDIDATE_CAPACITY = candidate_capacity(TOPK_CANDIDATES)
+""":func:`candidate_capacity` of the default C (256)."""
+SELECTION_GROUPS = selection_groups(TOPK_CANDIDATES)
+""":func:`selection_groups` of the default C (128)."""
 
 
 def sorting_network(device: torch.device) -> bool:
@@ -113,7 +132,7 @@ class FallbackReason(IntEnum):
     MIN_P_MARGIN = 7  # a value within 2 ulp of the min-p threshold
     LSE_MARGIN = 8  # an acceptance test within the LSE error bound (interval test, §2.3)
     NON_FINITE = 9  # a used row holds NaN / +inf, no finite logit or no finite kept value
-    TOPK_CAPACITY = 10  # top-k >= TOPK_CANDIDATES (outputs -1 / 0 / 0)
+    TOPK_CAPACITY = 10  # top-k >= the step's C (outputs -1 / 0 / 0)
     TOPK_BOUNDARY = 11  # k-th value too close to the next one, past the exact prefix, or no
     # finite kept value known (e.g. a record split's candidates overflowed)
     NO_KEPT_TOKEN = 12  # the resampled row has no kept id left to draw
@@ -332,26 +351,65 @@ def row_params(
     )
 
 
-def record_splits(rows: int, width: int, block: int, device: torch.device) -> int:
-    """Programs per row of the record kernel (a power of two, untuned rule); ``width`` is the
-    padded shard width, the same on every rank (so is the result, as the all_gather needs).
-
-    On a GPU: about :data:`shardmax.dispatch.TARGET_PROGRAMS` programs in all, at most
-    :data:`MAX_RECORD_SPLITS`, and at least two tiles of ``block`` columns per split; 1 on CPU
-    (the interpreter gains nothing from more programs). Tokens and counts of requests that are
-    not flagged do not depend on it; which rows the interval test flags can (each split sums its
-    exponentials in fp32, so the LSE moves in its last bits with S; a request at the margin may
-    be flagged for one S and not another).
-    """
-    if device.type != "cuda" or rows <= 0:
+def default_record_splits(rows: int, width: int, block: int, target_programs: int) -> int:
+    """The built-in rule for the record kernel's programs per row (a power of two): about
+    ``target_programs`` programs in all, at most :data:`MAX_RECORD_SPLITS`, and at least two
+    tiles of ``block`` columns per split. ``width`` is the padded shard width, the same on every
+    rank (so is the result, as the all_gather needs)."""
+    if rows <= 0:
         return 1
-    from shardmax.dispatch import TARGET_PROGRAMS
-
-    cap = min(triton.cdiv(TARGET_PROGRAMS, rows), max(1, width // (2 * block)))
+    cap = min(triton.cdiv(target_programs, rows), max(1, width // (2 * block)))
     s = 1
     while s * 2 <= min(cap, MAX_RECORD_SPLITS):
         s *= 2
     return s
+
+
+def record_splits(rows: int, width: int, block: int, device: torch.device) -> int:
+    """Programs per row of the record kernel under the built-in rule
+    (:func:`default_record_splits`): about :data:`shardmax.dispatch.TARGET_PROGRAMS` programs on
+    a GPU, 1 on CPU (the interpreter gains nothing from more programs). :func:`sharded_verify`
+    takes S from the dispatcher (:func:`record_launch`), whose tables may choose another.
+
+    Tokens and counts of requests that are not flagged do not depend on S; which rows the
+    interval test flags can (each split sums its exponentials in fp32, so the LSE moves in its
+    last bits with S; a request at the margin may be flagged for one S and not another).
+    """
+    from shardmax.dispatch import TARGET_PROGRAMS
+
+    target = TARGET_PROGRAMS if device.type == "cuda" else 1
+    return default_record_splits(rows, width, block, target)
+
+
+class RecordLaunch(NamedTuple):
+    """How a step runs the record kernel (the same on every rank: it depends on the shape)."""
+
+    variant: str  # sampled_record_<dtype>_b<block>
+    splits: int  # programs per row and rank (S)
+    num_warps: int
+    candidates: int  # C of a candidate step (top-k requests need k < C)
+    source: str  # the table row it came from, "builtin" or "override"
+
+
+def record_launch(local_logits: torch.Tensor, tp: int) -> RecordLaunch:
+    """The dispatcher's ``sampled`` selection for a step's ``[rows, W]`` local logits
+    (:func:`shardmax.dispatch.select` on ``(dtype, tp, rows, W, row-stride alignment)``):
+    ``generated/<arch>/sampled.json`` on a tuned GPU, the built-in default otherwise (block
+    2048, 4 warps, C = 64, :func:`record_splits`)."""
+    from shardmax.dispatch import Problem, alignment_of, select
+
+    rows, width = local_logits.shape
+    problem = Problem(
+        "sampled", SUPPORTED_DTYPES[local_logits.dtype], tp, rows, width, alignment_of(local_logits)
+    )
+    sel = select(problem)
+    return RecordLaunch(
+        sel.variant,
+        min(sel.splits, MAX_RECORD_SPLITS),
+        int(sel.launch.get("num_warps", 4)),
+        sel.candidates,
+        sel.source,
+    )
 
 
 def sampled_records(
@@ -365,28 +423,36 @@ def sampled_records(
     splits: int = 1,
     with_candidates: bool = False,
     extra_words: int = 0,
+    candidates: int = TOPK_CANDIDATES,
 ) -> torch.Tensor:
     """Local stage: ``[rows, W]`` logits -> one rank's flat int64 buffer: ``[splits * rows,
     3 | 4]`` records (split-major: record ``j * rows + r`` covers split ``j`` of row ``r``), and on
     a candidate step (``with_candidates``) one more record word (the split's smallest finite
     processed value) followed by ``[splits * rows, C]`` candidates: each split's exact top-``C``
-    packed keys of ``x`` (``C`` = :data:`TOPK_CANDIDATES`); ``extra_words`` more words at the end
-    are left for the caller (strict mode's extras)."""
+    packed keys of ``x`` (``C`` = ``candidates``, one of :data:`CANDIDATE_CHOICES`);
+    ``extra_words`` more words at the end are left for the caller (strict mode's extras).
+
+    Raises:
+        ValueError: ``splits`` not an int in ``[1, MAX_RECORD_SPLITS]`` or ``candidates`` not
+            one of :data:`CANDIDATE_CHOICES`.
+    """
     mod = kernels.load(variant)
     kernels._check_device(local_logits)
     if not isinstance(splits, int) or not 1 <= splits <= MAX_RECORD_SPLITS:
         raise ValueError(f"splits: expected an int in [1, {MAX_RECORD_SPLITS}], got {splits!r}")
+    if candidates not in CANDIDATE_CHOICES or isinstance(candidates, bool):
+        raise ValueError(f"candidates: expected one of {CANDIDATE_CHOICES}, got {candidates!r}")
     rows = local_logits.shape[0]
     dev = local_logits.device
     words = record_words(use_fp64_gumbel) + with_candidates
-    c = TOPK_CANDIDATES
+    c = candidates
     n_rec = splits * rows * words
     buf = torch.empty(n_rec + (splits * rows * c if with_candidates else 0) + extra_words,
                       dtype=torch.int64, device=dev)  # fmt: skip
     if rows == 0:
         return buf
     scratch = (
-        torch.empty((splits * rows, CANDIDATE_CAPACITY), dtype=torch.int64, device=dev)
+        torch.empty((splits * rows, candidate_capacity(c)), dtype=torch.int64, device=dev)
         if with_candidates
         else buf
     )
@@ -409,8 +475,8 @@ def sampled_records(
         FP64=use_fp64_gumbel,
         TOPK=with_candidates,
         CAND=c,
-        CAP=CANDIDATE_CAPACITY,
-        GROUPS=SELECTION_GROUPS,
+        CAP=candidate_capacity(c),
+        GROUPS=selection_groups(c),
         NETWORK=sorting_network(dev),
         num_warps=num_warps,
     )
@@ -449,10 +515,13 @@ def local_buffer(
     with_candidates: bool,
     strict: StrictStep | None = None,
     rank: int = 0,
+    *,
+    num_warps: int = 4,
+    candidates: int = TOPK_CANDIDATES,
 ) -> torch.Tensor:
     """What one rank contributes to the step's all_gather: int64 ``[1, n]``
-    (:func:`sampled_records`, then in strict mode :func:`shardmax.strict.rank_extras` of rank
-    ``rank``); ``n`` is the same on every rank."""
+    (:func:`sampled_records` with ``num_warps`` and ``candidates``, then in strict mode
+    :func:`shardmax.strict.rank_extras` of rank ``rank``); ``n`` is the same on every rank."""
     extra = extras_words(strict.plan, local_logits.shape[0], local_logits.dtype) if strict else 0
     buf = sampled_records(
         local_logits,
@@ -461,9 +530,11 @@ def local_buffer(
         params,
         variant,
         use_fp64_gumbel,
+        num_warps=num_warps,
         splits=splits,
         with_candidates=with_candidates,
         extra_words=extra,
+        candidates=candidates,
     )
     if strict is not None:
         tp = len(strict.plan.starts)
@@ -495,7 +566,7 @@ def _strict_lse(
     if candidates is not None:
         replay_kept(
             g_max, g_sum, candidates, strict.temp_row, vocab, slot_row=strict.slot_row,
-            top_k=top_k, keep=keep, cand_per_row=TOPK_CANDIDATES,
+            top_k=top_k, keep=keep, cand_per_row=candidates.shape[1],
         )  # fmt: skip
     return strict_lse(g_max, g_sum)
 
@@ -514,14 +585,16 @@ def merge_candidates(
     *,
     vocab: int,
     rows_in_step: int | None = None,
+    candidates: int = TOPK_CANDIDATES,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Every rank, on the gathered ``[tp, n]`` buffers: the merged candidates (int64
-    ``[rows, C]``, the exact global prefix in (value desc, id asc) order, ``EMPTY_KEY`` after it)
+    ``[rows, C]``, ``C = candidates`` as the ranks' record kernels used, the exact global prefix
+    in (value desc, id asc) order, ``EMPTY_KEY`` after it)
     and, when a top-p / min-p rule is given, per row ``keep`` (int32, kept candidates, 0 = no such
     rule on the row) and ``unsafe`` (int8, the guard). One ``sampled_merge`` launch.
     ``rows_in_step`` (default ``rows``) picks the vLLM top-p pipeline the guard models (split
     up to :data:`SPLIT_PIPELINE_MAX_ROWS` rows, monolithic beyond)."""
-    c = TOPK_CANDIDATES
+    c = candidates
     dev = gathered.device
     tp, n = gathered.shape
     merged = torch.empty((rows, c), dtype=torch.int64, device=dev)
@@ -585,10 +658,11 @@ def finish_gathered(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
     strict: StrictStep | None = None,
+    candidates: int = TOPK_CANDIDATES,
 ) -> VerifyResult:
     """Every rank: ``[tp, n]`` gathered buffers -> :class:`VerifyResult`. On a candidate step
-    the ranks' candidates are merged first (:func:`merge_candidates`); in strict mode vLLM's
-    LSE of every row is rebuilt from the extras (:mod:`shardmax.strict`)."""
+    the ranks' ``candidates`` (C) per record split are merged first (:func:`merge_candidates`);
+    in strict mode vLLM's LSE of every row is rebuilt from the extras (:mod:`shardmax.strict`)."""
     rows = draft_sampled.shape[0]
     gathered = gathered.contiguous()
     n = gathered.shape[1]
@@ -599,7 +673,7 @@ def finish_gathered(
         words = record_words(use_fp64_gumbel) + 1
         cand, keep, unsafe = merge_candidates(
             gathered, splits, rows, words, cu_num_logits, idx_mapping, temperature,
-            top_k, top_p, min_p, vocab=vocab,
+            top_k, top_p, min_p, vocab=vocab, candidates=candidates,
         )  # fmt: skip
         if top_k is None:  # candidates for top-p / min-p only: top-k off everywhere
             top_k = torch.zeros(temperature.shape[0], dtype=torch.int32, device=cand.device)
@@ -662,7 +736,7 @@ def sampled_finish(
 
     ``tp`` = parts per row (ranks x ``splits``); part ``e`` of a row starts at word
     ``(e // splits) * rank_words + (e % splits) * num_logits * W``; ``candidates`` = the merged
-    ``[num_logits, TOPK_CANDIDATES]`` keys of a top-k step (required with ``top_k``); ``lse``
+    ``[num_logits, C]`` keys of a top-k step (required with ``top_k``; C is its width); ``lse``
     (fp32 ``[num_logits]``, strict mode) vLLM's LSE of every row, used instead of the records'."""
     mod = kernels.load(variant)
     num_reqs = idx_mapping.shape[0]
@@ -717,7 +791,7 @@ def sampled_finish(
         SYNTHETIC=synthetic,
         HAS_PREFILL=has_prefill,
         HAS_TOPK=top_k is not None,
-        CAND=TOPK_CANDIDATES,
+        CAND=candidates.shape[1] if candidates is not None else TOPK_CANDIDATES,
         HAS_KEEP=keep is not None,
         STRICT=lse is not None,
         num_warps=1,
@@ -848,9 +922,10 @@ def sharded_verify(
     here are then a valid sample but not guaranteed to be vLLM's bits): fast mode only, a row the
     decision used sits within the LSE error bound of the acceptance threshold; any mode,
     a used row holds NaN / +inf or no finite logit, a used top-k row fails the convergence guard
-    (see the module docstring), or the request's top-k is ``>= TOPK_CANDIDATES`` (64; its outputs
-    are then ``-1`` / 0 / 0). Top-k requests with ``0 < k < 64`` run sharded: vLLM's top-k kept
-    set (ties at the k-th value by lowest id) from every rank's top-64 candidates per record split.
+    (see the module docstring), or the request's top-k is ``>= C``, the step's candidates per
+    record split (:func:`record_launch`; 64 unless a tuned table chose 32 or 128; its outputs
+    are then ``-1`` / 0 / 0). Top-k requests with ``0 < k < C`` run sharded: vLLM's top-k kept
+    set (ties at the k-th value by lowest id) from every rank's top-C candidates per record split.
 
     Args:
         local_logits, draft_sampled, cu_num_logits, pos, idx_mapping, expanded_local_pos, seed,
@@ -865,7 +940,7 @@ def sharded_verify(
         min_p: optional float ``[max_num_reqs]`` per slot in ``[0, 1]`` (0 = off). With either,
             a request's rows keep min-p survivors, then its top-k, then the EXACT nucleus
             (:func:`shardmax.reference_nucleus.exact_nucleus_keep`; vLLM's own top-p search is
-            approximate and batch-dependent, research §1.5) from the merged top-64 candidates
+            approximate and batch-dependent, research §1.5) from the merged top-C candidates
             (the ``sampled_merge`` kernel); rows the guard cannot decide -- nucleus beyond the
             candidates, mass within rounding of ``p``, a tie at the boundary, a gap below vLLM's
             search resolution, min-p survivors beyond the candidates or at the threshold, min-p
@@ -918,8 +993,8 @@ def sharded_verify(
     if idx_mapping.shape[0] == 0:
         return _empty(k, logits.device)
     params = row_params(draft_sampled, cu_num_logits, pos, idx_mapping, chk.temperature, seed)
-    # from the padded shard width, not num_valid: every rank must pick the same S
-    splits = record_splits(logits.shape[0], logits.shape[1], DEFAULT_RECORD_BLOCK, logits.device)
+    # from the padded shard width, not num_valid: every rank must pick the same launch
+    launch = record_launch(logits, coll.world_size)
     with_candidates = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
     strict = None
     if mode == "strict":
@@ -933,17 +1008,19 @@ def sharded_verify(
         chk.vocab_start,
         chk.num_valid,
         params,
-        record_variant(logits.dtype),
+        launch.variant,
         use_fp64_gumbel,
-        splits,
+        launch.splits,
         with_candidates,
         strict,
         coll.rank,
+        num_warps=launch.num_warps,
+        candidates=launch.candidates,
     )
     return finish_gathered(
         coll.all_gather_dim0(buf),
         coll.world_size,
-        splits,
+        launch.splits,
         with_candidates,
         chk.vocab,
         draft_sampled,
@@ -961,4 +1038,5 @@ def sharded_verify(
         chk.top_p,
         chk.min_p,
         strict,
+        candidates=launch.candidates,
     )

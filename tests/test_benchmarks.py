@@ -74,6 +74,9 @@ def test_wire_bytes() -> None:
     assert wire_bytes_per_rank("plain", 96, width=w, elem_size=4) == 38_412_288
     assert wire_bytes_per_rank("vllm_unfused", 32) == 256
     assert wire_bytes_per_rank("floor_allreduce_int64", 4) == 32
+    assert wire_bytes_per_rank("sharded_fast", 4, splits=2) == 24 * 2 * 4
+    assert wire_bytes_per_rank("sharded_nucleus", 4, splits=2) == (32 + 8 * 64) * 2 * 4
+    assert wire_bytes_per_rank("sharded_nucleus", 1, candidates=128) == 32 + 8 * 128
     with pytest.raises(ValueError):
         wire_bytes_per_rank("plain", 4)
     with pytest.raises(ValueError):

@@ -205,15 +205,55 @@ def test_sampled_verify_fast_mode_on_gpu(tp: int, fp64: bool, with_topk: bool) -
             assert torch.equal(g[ok].cpu(), w[ok].cpu())
 
 
-@pytest.mark.parametrize(("dtype", "splits"), [(torch.bfloat16, 1), (torch.float32, 4)])
-def test_record_candidates_on_gpu(dtype: torch.dtype, splits: int) -> None:
+@pytest.mark.parametrize("c", [32, 128])
+def test_sampled_verify_every_candidate_count_on_gpu(c: int) -> None:
+    """Fast mode with C = 32 / 128 (a tuned table may pick either) at V = 151936, TP 2 and 4,
+    4 record splits: top-k ``C - 1`` runs sharded, top-k ``C`` comes back TOPK_CAPACITY, top-p /
+    min-p rows ride along; every request not flagged == the reference on the GPU."""
+    from shardmax.reference_sampled import verify_sampled
+    from shardmax.sampled import FallbackReason
+    from shardmax.testing import emulate_verify
+
+    vocab = 151936
+    gen = torch.Generator().manual_seed(c)
+    for tp in (2, 4):
+        logits = (torch.randn(16 * 4, vocab, generator=gen) * 3.0).to(torch.bfloat16).to(DEV)
+        batch = random_verify_batch(16, 3, vocab, seed=c + tp, logits=logits, device=DEV,
+                                    prefill_prob=0.0)  # fmt: skip
+        n = batch.max_num_reqs
+        slots = batch.idx_mapping.long().cpu()
+        temps = torch.ones(n)
+        ks = torch.zeros(n, dtype=torch.int64)
+        ks[slots] = torch.tensor([c - 1, c, 20, 0] * 4)
+        ps = torch.ones(n)
+        ps[slots] = torch.tensor([1.0, 1.0, 0.95, 0.9] * 4)
+        a = batch.args()
+        kw = dict(batch.kwargs(), top_k=ks.to(DEV), top_p=ps.to(DEV))
+        got = emulate_verify(batch.logits, tp, *a[:5], temps.to(DEV), *a[5:], record_splits=4,
+                             candidates=c, **kw)  # fmt: skip
+        want = verify_sampled(batch.logits, *a[:5], temps.to(DEV), *a[5:], **kw)
+        reason = got.reason.cpu().view(4, 4)
+        assert (reason[:, 1] == FallbackReason.TOPK_CAPACITY).all()
+        assert (reason[:, 0] != FallbackReason.TOPK_CAPACITY).all()
+        ok = ~got.fallback
+        assert int(ok.sum()) >= 6
+        for g, w in zip(got[:3], want, strict=True):
+            assert torch.equal(g[ok].cpu(), w[ok].cpu())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "splits", "c"),
+    [(torch.bfloat16, 1, 64), (torch.float32, 4, 64), (torch.bfloat16, 2, 32),
+     (torch.bfloat16, 8, 128), (torch.float32, 1, 128)],
+)  # fmt: skip
+def test_record_candidates_on_gpu(dtype: torch.dtype, splits: int, c: int) -> None:
     """The compiled record kernel's candidates (bitonic ``tl.topk`` selection) == each split's
-    top-64 packed keys, with the temperatures whose division is exact in any rounding (1, 0.5,
-    2; 0 = greedy: ``EMPTY_KEY``), planted ties across the 64th value, an all -inf row, a row with
-    10 finite values and padding columns that would win if read."""
+    top-C packed keys for every C a table may pick, with the temperatures whose division is
+    exact in any rounding (1, 0.5, 2; 0 = greedy: ``EMPTY_KEY``), planted ties across the C-th
+    value, an all -inf row, a row with 10 finite values and padding columns that would win if
+    read."""
     from shardmax.keys import EMPTY_KEY
     from shardmax.sampled import (
-        TOPK_CANDIDATES,
         record_variant,
         record_words,
         row_params,
@@ -226,7 +266,7 @@ def test_record_candidates_on_gpu(dtype: torch.dtype, splits: int) -> None:
     raw = (torch.randn(rows, width, generator=gen) * 2.0).to(dtype)
     raw[:, num_valid:] = 100.0
     top = torch.argsort(raw[0, :num_valid].float(), descending=True)
-    raw[0, top[40:100]] = raw[0, top[40]].clone()
+    raw[0, top[20:140]] = raw[0, top[20]].clone()
     raw[1] = float("-inf")
     few = torch.randperm(num_valid, generator=gen)[:10]
     raw[2] = float("-inf")
@@ -238,11 +278,11 @@ def test_record_candidates_on_gpu(dtype: torch.dtype, splits: int) -> None:
                         device=DEV), temps.to(DEV), torch.arange(rows, device=DEV))  # fmt: skip
     buf = sampled_records(raw.to(DEV), vocab_start, num_valid, params,
                           record_variant(dtype, block), False, splits=splits,
-                          with_candidates=True)  # fmt: skip
+                          with_candidates=True, candidates=c)  # fmt: skip
     n_rec = splits * rows * (record_words(False) + 1)
-    got = buf[n_rec:].view(splits * rows, TOPK_CANDIDATES).cpu()
+    got = buf[n_rec:].view(splits * rows, c).cpu()
     x = raw.float() / torch.where(temps == 0, 1.0, temps)[:, None]
-    want = _split_top_c(x[:, :num_valid], vocab_start, num_valid, splits, block)
+    want = _split_top_c(x[:, :num_valid], vocab_start, num_valid, splits, block, c)
     want[(temps == 0).repeat(splits)] = EMPTY_KEY
     assert torch.equal(got, want)
 

@@ -313,12 +313,14 @@ def test_topk_guard_and_capacity_fall_back() -> None:
         assert torch.equal(g[ok], w[ok])
 
 
-def _split_top_c(x: torch.Tensor, vocab_start: int, num_valid: int, splits: int, block: int):
-    """Expected candidates of the record kernel: per split, the top-64 packed keys of ``x``
-    (value desc, id asc) over its columns, ``EMPTY_KEY`` padding; ``[splits * rows, 64]``."""
+def _split_top_c(
+    x: torch.Tensor, vocab_start: int, num_valid: int, splits: int, block: int, c: int = 64
+):
+    """Expected candidates of the record kernel: per split, the top-``c`` packed keys of ``x``
+    (value desc, id asc) over its columns, ``EMPTY_KEY`` padding; ``[splits * rows, c]``."""
     from shardmax.keys import EMPTY_KEY, pack_keys
-    from shardmax.sampled import TOPK_CANDIDATES as C
 
+    C = c
     rows = x.shape[0]
     chunk = math.ceil(math.ceil(num_valid / splits) / block) * block
     out = torch.full((splits, rows, C), EMPTY_KEY, dtype=torch.int64)
@@ -333,14 +335,18 @@ def _split_top_c(x: torch.Tensor, vocab_start: int, num_valid: int, splits: int,
     return out.view(splits * rows, C)
 
 
-@pytest.mark.parametrize(("dtype", "splits"), [("bf16", 1), ("fp32", 3), ("fp16", 2)])
-def test_record_kernel_candidates_are_each_splits_exact_top_c(dtype: str, splits: int) -> None:
-    """The record kernel's candidates (candidate steps) == each split's top-64 packed keys of
+@pytest.mark.parametrize(
+    ("dtype", "splits", "C"),
+    [("bf16", 1, 64), ("fp32", 3, 64), ("fp16", 2, 64), ("bf16", 2, 32), ("fp32", 1, 128)],
+)
+def test_record_kernel_candidates_are_each_splits_exact_top_c(
+    dtype: str, splits: int, C: int
+) -> None:
+    """The record kernel's candidates (candidate steps) == each split's top-C packed keys of
     ``x = raw / T`` (ties by lowest id -- bf16 rows are full of ties, planted ties straddle the
-    64th value, -0.0 / +0.0, -inf columns, an all -inf row, a row with 10 finite values, padding
-    columns that would win if read); greedy rows send ``EMPTY_KEY``."""
+    C-th value for every C, -0.0 / +0.0, -inf columns, an all -inf row, a row with 10 finite
+    values, padding columns that would win if read); greedy rows send ``EMPTY_KEY``."""
     from shardmax.keys import EMPTY_KEY
-    from shardmax.sampled import TOPK_CANDIDATES as C
     from shardmax.sampled import record_variant, record_words, row_params, sampled_records
 
     gen = torch.Generator().manual_seed(splits)
@@ -348,7 +354,7 @@ def test_record_kernel_candidates_are_each_splits_exact_top_c(dtype: str, splits
     raw = (torch.randn(rows, width, generator=gen) * 2.0).to(TORCH_DTYPE[dtype])
     raw[:, num_valid:] = 100.0  # padding: never read
     top = torch.argsort(raw[0, :num_valid].float(), descending=True)
-    raw[0, top[50:90]] = raw[0, top[50]].clone()  # a tie group across the 64th place
+    raw[0, top[20:140]] = raw[0, top[20]].clone()  # a tie group across the C-th place
     raw[1, :num_valid:2] = -0.0
     raw[1, 1:num_valid:2] = 0.0
     raw[2] = float("-inf")
@@ -362,11 +368,11 @@ def test_record_kernel_candidates_are_each_splits_exact_top_c(dtype: str, splits
                         torch.arange(rows, dtype=torch.int32), temps,
                         torch.arange(rows, dtype=torch.int64))  # fmt: skip
     buf = sampled_records(raw, vocab_start, num_valid, params, record_variant(raw.dtype, block),
-                          False, splits=splits, with_candidates=True)  # fmt: skip
+                          False, splits=splits, with_candidates=True, candidates=C)  # fmt: skip
     n_rec = splits * rows * (record_words(False) + 1)
     got = buf[n_rec:].view(splits * rows, C)
     x = raw.float() / torch.where(temps == 0, 1.0, temps)[:, None]
-    want = _split_top_c(x[:, :num_valid], vocab_start, num_valid, splits, block)
+    want = _split_top_c(x[:, :num_valid], vocab_start, num_valid, splits, block, C)
     greedy = (temps == 0).repeat(splits)
     want[greedy] = EMPTY_KEY
     assert torch.equal(got, want)

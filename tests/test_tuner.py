@@ -17,6 +17,7 @@ from shardmax.tuner import export, space
 from shardmax.tuner.__main__ import main as tuner_main
 from shardmax.tuner.objective import Runner
 from shardmax.tuner.problems import Bucket, buckets, shard_width
+from shardmax.tuner.sampled import SampledRunner
 from shardmax.tuner.space import Config, candidates
 from shardmax.tuner.timing import Timing
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = ("sm90", "gfx950")
-OPS = ("argmax", "verify")
+OPS = ("argmax", "verify", "sampled")
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +74,8 @@ def test_committed_table_schema(arch, op):
 
 
 def _tabled_selections():
-    """Distinct (op, variant, splits<=4, transport) over the four tables."""
+    """Distinct (op, variant, splits<=4, transport, candidates) over the six tables (op sampled:
+    splits <= 2, the interpreter runs its gate at V = 2 * splits * block)."""
     seen = {}
     for arch in ARCHS:
         for op in OPS:
@@ -81,19 +83,25 @@ def _tabled_selections():
                 if row["variant"] == dispatch.PLAIN:
                     continue
                 launch = row["launch"]
-                key = (op, row["variant"], min(int(launch["splits"]), 4), launch["transport"])
+                splits = min(int(launch["splits"]), 2 if op == "sampled" else 4)
+                c = int(launch.get("candidates", 0))
+                key = (op, row["variant"], splits, launch["transport"], c)
                 seen.setdefault(key, row)
     return sorted(seen)
 
 
-@pytest.mark.parametrize("op,variant,splits,transport", _tabled_selections())
-def test_tabled_variant_exists_and_is_exact(op, variant, splits, transport):
+@pytest.mark.parametrize("op,variant,splits,transport,c", _tabled_selections())
+def test_tabled_variant_exists_and_is_exact(op, variant, splits, transport, c):
     kernels.load(variant)  # exists in generated/
     key = parse_name(variant)
     block = int(key.block or 1024)
     vocab = 2 * splits * block - 64  # tp 2: every split of a rank's shard gets columns
     width = shard_width(vocab, 2)
-    bucket = Bucket(op, str(key.dtype), 2, int(key.align or 1), width, 4, vocab)
+    bucket = Bucket(op, str(key.dtype), 2, int(key.align or 16), width, 4, vocab)
+    if op == "sampled":
+        cfg = Config(block, 4, 0, splits, transport, c)
+        assert SampledRunner(bucket, torch.device("cpu")).gate(cfg, seed=11) is None
+        return
     cfg = Config(block, 4, 2, splits, transport)
     assert Runner(bucket, torch.device("cpu")).gate(cfg, seed=11) is None
 

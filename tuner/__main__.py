@@ -30,7 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
         "`torchrun --nproc-per-node 2 -m tuner --distributed --quick` (transport and "
         "plain path with a real TP=2 group).",
     )
-    p.add_argument("--op", choices=("argmax", "verify", "all"), default="all")
+    p.add_argument(
+        "--op",
+        choices=("argmax", "verify", "sampled", "all"),
+        default="all",
+        help="argmax / verify: the greedy local stage; sampled: the sampled-verification record "
+        "kernel (block, splits, warps, candidates C; one GPU only); all: every op (with "
+        "--distributed: argmax and verify)",
+    )
+    p.add_argument(
+        "--top-k-max",
+        type=int,
+        default=None,
+        help="op sampled: the largest top-k that must keep running sharded; only C > it are "
+        "searched (default 63: the built-in contract k < 64)",
+    )
     p.add_argument(
         "--arch",
         help="arch id (sm90, gfx950); default: detected. Must match the "
@@ -116,12 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available()
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         os.environ["TRITON_INTERPRET"] = "1"  # before any generated kernel module is imported
-    from shardmax.dispatch import detect_arch
+    from shardmax.dispatch import OPS, detect_arch
 
     from . import export
 
     out_dir: Path = args.out or export.packaged_generated_dir()
-    ops = ("argmax", "verify") if args.op == "all" else (args.op,)
+    if args.op == "all":
+        ops: tuple[str, ...] = ("argmax", "verify") if args.distributed else OPS
+    else:
+        ops = (args.op,)
+    if args.distributed and "sampled" in ops:
+        print("error: --op sampled is tuned on one GPU (no --distributed)", file=sys.stderr)
+        return 2
     detected = detect_arch() if on_gpu else None
     arch = args.arch or detected or "sm90"
     if args.init_defaults:
@@ -152,9 +172,10 @@ def _sweep(
     import torch
 
     from . import export, study
-    from .objective import Dist, Lockstep, Runner, worker_loop
+    from .objective import BucketRunner, Dist, Lockstep, Runner, worker_loop
     from .problems import buckets
-    from .space import candidates, default_config, pruned_report
+    from .sampled import SampledRunner
+    from .space import DEFAULT_TOP_K_MAX, candidates, default_config, pruned_report
     from .timing import metric_name
 
     dist_ctx: Dist | None = None
@@ -221,8 +242,18 @@ def _sweep(
             if _out_of_budget(deadline, dist_ctx):
                 skipped.append(b.slug)
                 continue
-            configs = candidates(b, arch, quick=quick_space, distributed=dist_ctx is not None)
-            runner = Runner(b, device, dist=dist_ctx, cold=args.l2_cold)
+            configs = candidates(
+                b,
+                arch,
+                quick=quick_space,
+                distributed=dist_ctx is not None,
+                top_k_max=DEFAULT_TOP_K_MAX if args.top_k_max is None else args.top_k_max,
+            )
+            runner: BucketRunner
+            if op == "sampled":
+                runner = SampledRunner(b, device, cold=args.l2_cold)
+            else:
+                runner = Runner(b, device, dist=dist_ctx, cold=args.l2_cold)
             if not root:
                 worker_loop(runner)
                 continue

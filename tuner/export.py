@@ -284,6 +284,8 @@ def portable_rows(arch: str, op: str) -> list[dict[str, Any]]:
         return s
 
     rows: list[dict[str, Any]] = []
+    if op == "sampled":
+        return _portable_sampled_rows(splits_for)
     for width_le, block, warps in ((4095, 1024, 4), (None, 4096, 8)):
         for r in ROW_BUCKETS:
             match: dict[str, Any] = {"rows_le": r}
@@ -311,6 +313,27 @@ def portable_rows(arch: str, op: str) -> list[dict[str, Any]]:
         }
     )
     return rows
+
+
+def _portable_sampled_rows(splits_for: Any) -> list[dict[str, Any]]:
+    """Op ``sampled``: the record kernel's built-in rule per row bucket (block 2048, 4 warps,
+    C = 64, splits for about 2 programs per SM/CU), catch-all last."""
+    from shardmax.sampled import DEFAULT_RECORD_BLOCK, MAX_RECORD_SPLITS, TOPK_CANDIDATES
+
+    def row(match: dict[str, Any], splits: int) -> dict[str, Any]:
+        return {
+            "match": match,
+            "variant": f"sampled_record_bf16_b{DEFAULT_RECORD_BLOCK}",
+            "launch": {
+                "splits": min(splits, MAX_RECORD_SPLITS),
+                "num_warps": 4,
+                "candidates": TOPK_CANDIDATES,
+                "transport": "allgather",
+            },
+            "tuned": False,
+        }
+
+    return [*(row({"rows_le": r}, splits_for(r)) for r in ROW_BUCKETS), row({}, 1)]
 
 
 def merge_rows(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -403,12 +403,26 @@ class Runner:
         return Outcome(True, "", t)
 
 
+class BucketRunner(Protocol):
+    """What the study and the export drive: :class:`Runner` (greedy ops) or
+    :class:`tuner.sampled.SampledRunner` (op ``sampled``)."""
+
+    bucket: Bucket
+    dist: Dist | None
+
+    def gate(self, cfg: Config, seed: int, scale: int = 1) -> str | None: ...
+
+    def bench_safe(self, cfg: Config, replays: int | None = None) -> timing.Timing | None: ...
+
+    def evaluate(self, cfg: Config, seed: int) -> Outcome: ...
+
+
 class Lockstep:
-    """Rank 0's handle on a :class:`Runner`: in a distributed sweep every call is first
+    """Rank 0's handle on a :class:`BucketRunner`: in a distributed sweep every call is first
     broadcast to the other ranks (:func:`worker_loop`), so all ranks run the same gates, the
     same timings and thus the same number of collectives; single process: a plain proxy."""
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: BucketRunner) -> None:
         self.runner = runner
         self.bucket = runner.bucket
 
@@ -431,7 +445,7 @@ class Lockstep:
             self.runner.dist.bcast(None)
 
 
-def worker_loop(runner: Runner) -> None:
+def worker_loop(runner: BucketRunner) -> None:
     """Ranks != 0 of a distributed sweep: run what rank 0 broadcasts until ``None``."""
     assert runner.dist is not None
     while True:

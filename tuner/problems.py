@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-OPS = ("argmax", "verify")
+OPS = ("argmax", "verify", "sampled")
+"""Tuned ops: the greedy local stage (``argmax``, ``verify``) and the sampled record kernel."""
 
 
 @dataclass(frozen=True)

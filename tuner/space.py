@@ -1,8 +1,8 @@
 """Search space of one bucket: local-stage variant x launch x transport, plus the plain path.
 
-A point is a :class:`Config`; its canonical string (``b4096_w8_s2_x4_allgather`` or ``plain``)
-is the single categorical Optuna parameter ``config`` of the bucket's study, so the sampler only
-ever sees statically valid points (design §5 rule 1):
+A point is a :class:`Config`; its canonical string (``b4096_w8_s2_x4_allgather`` or ``plain``;
+op ``sampled``: ``rec_b2048_w4_x8_c64``) is the single categorical Optuna parameter ``config`` of
+the bucket's study, so the sampler only ever sees statically valid points (design §5 rule 1):
 
 * block <= next_pow2(width) (the smallest block if the shard is narrower than it);
 * the generated variant exists and does not spill on this arch (``generated/<arch>/resources.json``);
@@ -12,6 +12,13 @@ ever sees statically valid points (design §5 rule 1):
 * transport ``allgather`` | ``allreduce`` and ``plain`` only where they can be timed: with a
   real group (``--distributed``); on one GPU the transport is fixed to ``allgather`` and
   ``plain`` is offered only for tp == 1 (no collective involved).
+
+Op ``sampled`` (the sampled-verification record kernel, :func:`shardmax.sharded_verify`): block
+in ``SAMPLED_BLOCKS`` (non-spilling ``sampled_record_<dtype>_b<block>``), warps, splits as
+above, and ``candidates`` C in :data:`shardmax.sampled.CANDIDATE_CHOICES` with ``C > top_k_max``
+(the admission constraint: every top-k request with ``k <= top_k_max`` keeps running sharded,
+whatever C the table picks; the default 63 keeps the built-in contract ``k < 64``). Transport is
+the all_gather (the only one of sampled verification); no plain path.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from importlib import resources
 from typing import Any
 
 import triton
-from shardmax.generator.space import ARCHES, BLOCKS, ArchLimits
+from shardmax.generator.space import ARCHES, BLOCKS, SAMPLED_BLOCKS, ArchLimits
 
 from shardmax.dispatch import MAX_SPLITS, PLAIN, Problem, Selection, builtin_default
+from shardmax.sampled import CANDIDATE_CHOICES, MAX_RECORD_SPLITS
 from shardmax.variants import TRANSPORTS, VariantKey, parse_name
 
 from .problems import Bucket
@@ -35,36 +43,52 @@ from .problems import Bucket
 STAGES = (1, 2, 3)
 QUICK_WARPS = (4, 8, 16)
 QUICK_STAGES = (2,)
+QUICK_SAMPLED_WARPS = (4, 8)
+DEFAULT_TOP_K_MAX = 63
+"""Op ``sampled``: the largest top-k that must keep running sharded (C > it)."""
 MIN_ELEMS_PER_THREAD = 4
 """num_warps * warp_size * 4 <= block: each thread loads at least one 8-byte bf16 vector."""
 
 _CFG_RE = re.compile(r"^b(\d+)_w(\d+)_s(\d+)_x(\d+)_(allgather|allreduce)$")
+_REC_RE = re.compile(r"^rec_b(\d+)_w(\d+)_x(\d+)_c(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
 class Config:
-    """One point of a bucket's space. ``block == 0`` is the plain path."""
+    """One point of a bucket's space. ``block == 0`` is the plain path; ``candidates > 0``
+    marks a point of op ``sampled`` (record kernel; no stages, transport all_gather)."""
 
     block: int
     num_warps: int = 0
     num_stages: int = 0
     splits: int = 0
     transport: str = "allgather"
+    candidates: int = 0
 
     @property
     def is_plain(self) -> bool:
         return self.block == 0
 
     @property
+    def is_sampled(self) -> bool:
+        return self.candidates > 0
+
+    @property
     def name(self) -> str:
         if self.is_plain:
             return PLAIN
+        if self.is_sampled:
+            return f"rec_b{self.block}_w{self.num_warps}_x{self.splits}_c{self.candidates}"
         return f"b{self.block}_w{self.num_warps}_s{self.num_stages}_x{self.splits}_{self.transport}"
 
     @classmethod
     def parse(cls, name: str) -> Config:
         if name == PLAIN:
             return cls(0)
+        r = _REC_RE.match(name)
+        if r is not None:
+            rb, rw, rx, rc = (int(g) for g in r.groups())
+            return cls(rb, rw, 0, rx, "allgather", rc)
         m = _CFG_RE.match(name)
         if m is None:
             raise ValueError(f"config: {name!r} is not a tuner config name")
@@ -76,6 +100,9 @@ class Config:
         if sel.variant == PLAIN:
             return cls(0)
         key = parse_name(sel.variant)
+        if key.family == "sampled_record":
+            w = int(sel.launch.get("num_warps", 4))
+            return cls(int(key.block or 0), w, 0, sel.splits, "allgather", sel.candidates)
         return cls(
             int(key.block or 0),
             int(sel.launch.get("num_warps", 4)),
@@ -87,11 +114,20 @@ class Config:
     def variant(self, dtype: str, align: int) -> str:
         if self.is_plain:
             return PLAIN
+        if self.is_sampled:
+            return VariantKey("sampled_record", dtype=dtype, block=self.block).name
         return VariantKey("shard_keys", dtype=dtype, align=align, block=self.block).name
 
     def launch(self) -> dict[str, Any]:
         if self.is_plain:
             return {"transport": "allgather"}
+        if self.is_sampled:
+            return {
+                "splits": self.splits,
+                "num_warps": self.num_warps,
+                "candidates": self.candidates,
+                "transport": "allgather",
+            }
         return {
             "splits": self.splits,
             "num_warps": self.num_warps,
@@ -102,9 +138,10 @@ class Config:
     def selection(self, dtype: str, align: int, source: str = "tuner") -> Selection:
         return Selection(self.variant(dtype, align), self.launch(), False, source)
 
-    def tie_key(self) -> tuple[int, int, int, str]:
-        """Deterministic tie-break: fewer warps, smaller block, fewer splits, name."""
-        return (self.num_warps, self.block, self.splits, self.name)
+    def tie_key(self) -> tuple[int, int, int, int, str]:
+        """Deterministic tie-break: fewer warps, smaller block, fewer splits, more candidates
+        (a larger C admits more requests at the same time), name."""
+        return (self.num_warps, self.block, self.splits, -self.candidates, self.name)
 
 
 @cache
@@ -136,14 +173,24 @@ def limits_of(arch: str) -> ArchLimits:
     return ArchLimits(arch, "cuda", 0, 32)
 
 
+def _splits(block: int, width: int, cap: int) -> list[int]:
+    return [
+        s for s in (1 << i for i in range(6)) if s <= cap and (s == 1 or s * block <= 2 * width)
+    ]
+
+
 def candidates(
     bucket: Bucket,
     arch: str,
     *,
     quick: bool = False,
     distributed: bool = False,
+    top_k_max: int = DEFAULT_TOP_K_MAX,
 ) -> list[Config]:
-    """Statically valid configs of ``bucket`` on ``arch``, in a fixed order."""
+    """Statically valid configs of ``bucket`` on ``arch``, in a fixed order (``top_k_max``: op
+    ``sampled`` only, see the module docstring)."""
+    if bucket.op == "sampled":
+        return sampled_candidates(bucket, arch, quick=quick, top_k_max=top_k_max)
     lim = limits_of(arch)
     width = bucket.width
     cap = triton.next_power_of_2(width)
@@ -165,11 +212,7 @@ def candidates(
             for w in warps_all
             if w in lim.num_warps and w * lim.warp_size * MIN_ELEMS_PER_THREAD <= block
         ] or [min(lim.num_warps)]
-        splits = [
-            s
-            for s in (1 << i for i in range(6))
-            if s <= MAX_SPLITS and (s == 1 or s * block <= 2 * width)
-        ]
+        splits = _splits(block, width, MAX_SPLITS)
         for t in transports:
             for w in warps:
                 for st in stages:
@@ -178,11 +221,50 @@ def candidates(
     return out
 
 
+def sampled_candidates(
+    bucket: Bucket, arch: str, *, quick: bool = False, top_k_max: int = DEFAULT_TOP_K_MAX
+) -> list[Config]:
+    """Op ``sampled``: record block x warps x splits x C (see the module docstring).
+
+    Raises:
+        ValueError: no C of :data:`shardmax.sampled.CANDIDATE_CHOICES` exceeds ``top_k_max``.
+    """
+    cs = [c for c in CANDIDATE_CHOICES if c > top_k_max]
+    if not cs:
+        raise ValueError(
+            f"top_k_max: {top_k_max} leaves no candidates C > it (choices {CANDIDATE_CHOICES})"
+        )
+    lim = limits_of(arch)
+    width = bucket.width
+    warps_all = QUICK_SAMPLED_WARPS if quick else lim.num_warps
+    out: list[Config] = []
+    for block in SAMPLED_BLOCKS:
+        name = VariantKey("sampled_record", dtype=bucket.dtype, block=block).name
+        if not _variant_ok(name, arch)[0]:
+            continue
+        warps = [
+            w
+            for w in warps_all
+            if w in lim.num_warps and w * lim.warp_size * MIN_ELEMS_PER_THREAD <= block
+        ] or [min(lim.num_warps)]
+        for w in warps:
+            for s in _splits(block, width, MAX_RECORD_SPLITS):
+                for c in cs:
+                    out.append(Config(block, w, 0, s, "allgather", c))
+    return out
+
+
 def pruned_report(bucket: Bucket, arch: str) -> list[str]:
     """Why blocks were pruned statically (for the log)."""
     notes = []
-    for block in BLOCKS:
-        name = VariantKey("shard_keys", dtype=bucket.dtype, align=bucket.align, block=block).name
+    sampled = bucket.op == "sampled"
+    for block in SAMPLED_BLOCKS if sampled else BLOCKS:
+        key = (
+            VariantKey("sampled_record", dtype=bucket.dtype, block=block)
+            if sampled
+            else VariantKey("shard_keys", dtype=bucket.dtype, align=bucket.align, block=block)
+        )
+        name = key.name
         ok, why = _variant_ok(name, arch)
         if not ok:
             notes.append(f"{name}: {why}")

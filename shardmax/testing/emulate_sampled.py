@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from shardmax.collectives import SingleRank
+from shardmax.dispatch import Selection
 from shardmax.sampled import (
+    TOPK_CANDIDATES,
     VerifyResult,
     _empty,
     finish_gathered,
@@ -49,6 +51,9 @@ def emulate_verify(
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
     logits_processed: bool | None = None,
+    candidates: int = TOPK_CANDIDATES,
+    num_warps: int = 4,
+    selection: Selection | None = None,
 ) -> VerifyResult:
     """``sharded_verify`` of ``tp_size`` emulated ranks over ``full_logits [num_logits, V]``.
 
@@ -56,9 +61,17 @@ def emulate_verify(
     validated as the public op validates it, against the full vocabulary). ``record_block``
     forces the record kernel's tile (``generator.space.SAMPLED_BLOCKS``); ``record_splits``
     (1..32) the programs per row and rank (the public op picks it with
-    :func:`shardmax.sampled.record_splits`); the finish variant follows ``tp_size *
-    record_splits`` (``2/4/8`` unrolled, ``n`` otherwise, 1 included).
+    :func:`shardmax.sampled.record_launch`); the finish variant follows ``tp_size *
+    record_splits`` (``2/4/8`` unrolled, ``n`` otherwise, 1 included). ``candidates`` (C, one of
+    :data:`shardmax.sampled.CANDIDATE_CHOICES`) and ``num_warps`` as the public op's selection.
+    ``selection``: a ``sampled`` :class:`shardmax.dispatch.Selection` (the tuner's), which sets
+    the record variant (its dtype must be the logits'), splits, warps and C instead.
     """
+    if selection is not None:
+        record_block = None
+        record_splits = selection.splits
+        candidates = selection.candidates
+        num_warps = int(selection.launch.get("num_warps", 4))
     chk = validate_sampled_inputs(
         full_logits,
         draft_sampled,
@@ -88,11 +101,12 @@ def emulate_verify(
         full_logits, tp_size, pad_to=pad_to or default_pad_to(full_logits.shape[1], tp_size)
     )
     params = row_params(draft_sampled, cu_num_logits, pos, idx_mapping, chk.temperature, seed)
-    variant = (
-        record_variant(full_logits.dtype)
-        if record_block is None
-        else record_variant(full_logits.dtype, record_block)
-    )
+    if selection is not None:
+        variant = selection.variant
+    elif record_block is None:
+        variant = record_variant(full_logits.dtype)
+    else:
+        variant = record_variant(full_logits.dtype, record_block)
     with_candidates = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
     strict = None
     if mode == "strict":
@@ -115,6 +129,8 @@ def emulate_verify(
                 with_candidates,
                 strict,
                 rank,
+                num_warps=num_warps,
+                candidates=candidates,
             )
             for rank, sh in enumerate(shards)
         ],
@@ -141,4 +157,5 @@ def emulate_verify(
         chk.top_p,
         chk.min_p,
         strict,
+        candidates=candidates,
     )

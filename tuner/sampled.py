@@ -1,0 +1,258 @@
+"""Objective of one ``sampled`` bucket: exactness gate first, then timing (design §5 rules 2-3).
+
+:class:`SampledRunner` has :class:`tuner.objective.Runner`'s interface (``gate``, ``bench``,
+``bench_safe``, ``evaluate``), so the study, the export and :class:`tuner.objective.Lockstep`
+drive it unchanged. One GPU only: the all_gather is the only transport of sampled verification
+and is not timed (as the greedy ops' single-GPU mode).
+
+1. gate -- :func:`shardmax.testing.emulate_verify` with the candidate's selection (record
+   variant, splits, warps, C) over ``tp`` emulated ranks of the bucket's vocabulary, on a seeded
+   batch that mixes every kind of request the record kernel serves (:data:`REQUEST_KINDS`:
+   greedy, temperature only, top-k 20 with a tie planted at its boundary, top-k ``C - 1`` and
+   ``C``, top-p 0.95, top-k 20 + top-p 0.8, min-p 0.05, a flat top-p 0.99 row whose nucleus is
+   wider than any C). Rejected unless every request that is not flagged gives ``==`` sampled /
+   num_sampled / num_rejected against :func:`shardmax.reference_sampled.verify_sampled`, greedy
+   requests are never flagged, the top-k ``C`` request comes back ``TOPK_CAPACITY`` and the
+   top-k ``C - 1`` request never does (so the candidate really ran with its C).
+2. timing -- one rank's candidate step of a batch of ``rows // (K + 1)`` requests sampled as
+   Qwen3's default (temperature 1, top-k 20, top-p 0.95; :data:`TIMED_SAMPLING`): the record
+   kernel on the rank's ``[rows, W]`` shard, then ``sampled_merge`` + ``sampled_finish`` on a
+   buffer holding ``tp`` copies of the rank's records and candidates (the all_gather's layout).
+   Temperature-only steps run the same record launch without the candidate pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardmax.dispatch import Selection
+from shardmax.reference_sampled import verify_sampled
+from shardmax.sampled import (
+    FallbackReason,
+    finish_gathered,
+    local_buffer,
+    row_params,
+)
+from shardmax.testing import emulate_verify, random_verify_batch
+from shardmax.validation import SUPPORTED_DTYPES
+
+from . import timing
+from .objective import Dist, Outcome
+from .problems import PAD_TO, Bucket
+from .space import Config
+
+TORCH_DTYPE = {v: k for k, v in SUPPORTED_DTYPES.items()}
+REQUEST_KINDS = (
+    "greedy",
+    "temperature",
+    "top_k_20_tie",
+    "top_k_c_minus_1",
+    "top_k_c",
+    "top_p_0.95",
+    "top_k_20_top_p_0.8",
+    "min_p_0.05",
+    "flat_top_p_0.99",
+)
+"""One gate request of each kind (in this order, cycled when the batch is larger)."""
+TIMED_SAMPLING = {"temperature": 1.0, "top_k": 20, "top_p": 0.95}
+"""What every request of the timed step uses (Qwen3's recommended sampling)."""
+
+
+def _kind_state(kind: str, c: int) -> tuple[float, int, float, float]:
+    """(temperature, top_k, top_p, min_p) of a request kind for candidates ``c``."""
+    return {
+        "greedy": (0.0, 0, 1.0, 0.0),
+        "temperature": (0.7, 0, 1.0, 0.0),
+        "top_k_20_tie": (1.0, 20, 1.0, 0.0),
+        "top_k_c_minus_1": (1.0, c - 1, 1.0, 0.0),
+        "top_k_c": (1.0, c, 1.0, 0.0),
+        "top_p_0.95": (1.0, 0, 0.95, 0.0),
+        "top_k_20_top_p_0.8": (0.7, 20, 0.8, 0.0),
+        "min_p_0.05": (1.0, 0, 1.0, 0.05),
+        "flat_top_p_0.99": (1.0, 0, 0.99, 0.0),
+    }[kind]
+
+
+class SampledRunner:
+    """Gate + timing of ``sampled`` configs for one bucket on one device."""
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        device: torch.device,
+        *,
+        dist: Dist | None = None,
+        cold: bool = False,
+        launches: int = timing.LAUNCHES,
+        replays: int = timing.REPLAYS,
+    ) -> None:
+        if bucket.op != "sampled":
+            raise ValueError(f"bucket: op {bucket.op!r}, expected 'sampled'")
+        if dist is not None:
+            raise ValueError("op sampled is tuned on one GPU (no --distributed)")
+        self.bucket = bucket
+        self.device = device
+        self.dist: Dist | None = None
+        self.cold = cold
+        self.launches = launches
+        self.replays = replays
+        self.tp = bucket.tp
+        self.dtype = TORCH_DTYPE[bucket.dtype]
+        self._inputs: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ gate
+    def gate(self, cfg: Config, seed: int, scale: int = 1) -> str | None:
+        """None if exact (see the module docstring), else the reason."""
+        try:
+            return self._gate(cfg, seed, scale)
+        except Exception as e:  # compile/launch errors reject the point, they never time it
+            return f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    def _gate(self, cfg: Config, seed: int, scale: int) -> str | None:
+        b, dev = self.bucket, self.device
+        sel = cfg.selection(b.dtype, b.align)
+        c = sel.candidates
+        num_reqs = len(REQUEST_KINDS) * scale
+        gen = torch.Generator().manual_seed(seed)
+        rows_max = num_reqs * (b.k + 1)
+        logits = torch.randn(rows_max, b.vocab, generator=gen) * 3.0
+        batch = random_verify_batch(
+            num_reqs, b.k, b.vocab, seed=seed, logits=logits, prefill_prob=0.0
+        )
+        x = batch.logits  # fp32 [num_logits, V]: plant per request before the dtype cast
+        n_slots = batch.max_num_reqs
+        temp = torch.zeros(n_slots)
+        top_k = torch.zeros(n_slots, dtype=torch.int64)
+        top_p = torch.ones(n_slots)
+        min_p = torch.zeros(n_slots)
+        cu = batch.cu_num_logits.tolist()
+        kinds = [REQUEST_KINDS[i % len(REQUEST_KINDS)] for i in range(num_reqs)]
+        for i, kind in enumerate(kinds):
+            slot = int(batch.idx_mapping[i])
+            temp[slot], top_k[slot], top_p[slot], min_p[slot] = _kind_state(kind, c)
+            first = x[cu[i]]
+            if kind == "top_k_20_tie":  # the 21st value equals the 20th: ties by lowest id
+                order = torch.sort(first, descending=True, stable=True).indices
+                first[order[20]] = first[order[19]]
+            elif kind == "flat_top_p_0.99":
+                x[cu[i] : cu[i + 1]] = torch.randn(cu[i + 1] - cu[i], b.vocab, generator=gen) * 0.01
+        full = x.to(self.dtype).to(dev)
+        draft, cu_t, pos, idx, local_pos, seeds = (t.to(dev) for t in batch.args()[:6])
+        kw: dict[str, Any] = {
+            k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in batch.kwargs().items()
+        }
+        kw.update(top_k=top_k.to(dev), top_p=top_p.to(dev), min_p=min_p.to(dev))
+        t = temp.to(dev)
+        got = emulate_verify(
+            full, self.tp, draft, cu_t, pos, idx, local_pos, t, seeds, b.k,
+            pad_to=PAD_TO, selection=sel, **kw,
+        )  # fmt: skip
+        want = verify_sampled(full, draft, cu_t, pos, idx, local_pos, t, seeds, b.k, **kw)
+        ok = ~got.fallback
+        for name, g, w in zip(
+            ("sampled", "num_sampled", "num_rejected"), got[:3], want, strict=True
+        ):
+            bad = ((g != w).reshape(g.shape[0], -1).any(dim=1) & ok).nonzero().flatten().tolist()
+            if bad:
+                r = bad[0]
+                return (
+                    f"{len(bad)} unflagged requests differ in {name}; first {r} ({kinds[r]}): "
+                    f"got {g[r].tolist()} want {w[r].tolist()}"
+                )
+        reason = got.reason.cpu().tolist()
+        for r, kind in enumerate(kinds):
+            if kind == "greedy" and reason[r] != 0:
+                return f"greedy request {r} flagged (reason {reason[r]})"
+            if kind == "top_k_c" and reason[r] != FallbackReason.TOPK_CAPACITY:
+                return f"top-k {c} request {r} not flagged TOPK_CAPACITY (reason {reason[r]})"
+            if kind == "top_k_c_minus_1" and reason[r] == FallbackReason.TOPK_CAPACITY:
+                return f"top-k {c - 1} request {r} flagged TOPK_CAPACITY with C={c}"
+        return None
+
+    # ------------------------------------------------------------------ timing
+    def _timing_inputs(self) -> dict[str, Any]:
+        if self._inputs is not None:
+            return self._inputs
+        b, dev = self.bucket, self.device
+        gen = torch.Generator().manual_seed(1234)
+        one = (torch.randn(b.rows, b.width, generator=gen) * 3.0).to(self.dtype)
+        nbytes = one.numel() * one.element_size()
+        copies = timing.copies_for_cold(nbytes, dev) if self.cold else 1
+        xs = [one.to(dev)] + [one.roll(i, dims=1).to(dev) for i in range(1, copies)]
+        k = b.k
+        counts = [k + 1] * (b.rows // (k + 1)) + ([b.rows % (k + 1)] if b.rows % (k + 1) else [])
+        cu = [0]
+        for n in counts:
+            cu.append(cu[-1] + n)
+        n = len(counts)
+        i32 = torch.int32
+        draft = torch.randint(0, b.vocab, (b.rows,), generator=gen, dtype=i32).to(dev)
+        cu_t = torch.tensor(cu, dtype=i32, device=dev)
+        pos = torch.arange(b.rows, dtype=torch.int64, device=dev)
+        idx = torch.arange(n, dtype=i32, device=dev)
+        seed = torch.randint(0, 2**62, (n,), generator=gen, dtype=torch.int64).to(dev)
+        temp = torch.full((n,), TIMED_SAMPLING["temperature"], dtype=torch.float32, device=dev)
+        top_k = torch.full((n,), int(TIMED_SAMPLING["top_k"]), dtype=torch.int32, device=dev)
+        top_p = torch.full((n,), TIMED_SAMPLING["top_p"], dtype=torch.float64, device=dev)
+        params = row_params(draft, cu_t, pos, idx, temp, seed)
+        num_valid = min(b.width, b.vocab)  # rank 0 of vLLM's layout
+        self._inputs = {
+            "xs": xs,
+            "num_valid": num_valid,
+            "params": params,
+            "finish": (draft, cu_t, pos, idx, temp, seed, k, top_k, top_p),
+        }
+        return self._inputs
+
+    def _local(self, sel: Selection, x: torch.Tensor, inp: dict[str, Any]) -> torch.Tensor:
+        return local_buffer(
+            x, 0, inp["num_valid"], inp["params"], sel.variant, False, sel.splits, True,
+            num_warps=int(sel.launch["num_warps"]), candidates=sel.candidates,
+        )  # fmt: skip
+
+    def _finish(self, sel: Selection, gathered: torch.Tensor, inp: dict[str, Any]) -> Any:
+        draft, cu, pos, idx, temp, seed, k, top_k, top_p = inp["finish"]
+        return finish_gathered(
+            gathered, self.tp, sel.splits, True, self.bucket.vocab, draft, cu, pos, idx, temp,
+            seed, k, top_k, None, None, None, False, top_p, None, None,
+            candidates=sel.candidates,
+        )  # fmt: skip
+
+    def bench(self, cfg: Config, *, replays: int | None = None) -> timing.Timing:
+        b = self.bucket
+        sel = cfg.selection(b.dtype, b.align)
+        inp = self._timing_inputs()
+        xs = inp["xs"]
+        gathered = self._local(sel, xs[0], inp).repeat(self.tp, 1)
+
+        def step(i: int) -> Any:
+            self._local(sel, xs[i], inp)
+            return self._finish(sel, gathered, inp)
+
+        return timing.measure(
+            step,
+            len(xs),
+            self.device,
+            launches=self.launches,
+            replays=replays or self.replays,
+            cold=self.cold,
+        )
+
+    def bench_safe(self, cfg: Config, replays: int | None = None) -> timing.Timing | None:
+        """:meth:`bench`, None on error (export re-measure; never raises)."""
+        try:
+            return self.bench(cfg, replays=replays)
+        except Exception:
+            return None
+
+    def evaluate(self, cfg: Config, seed: int) -> Outcome:
+        """Gate, then time. Never raises."""
+        reason = self.gate(cfg, seed)
+        if reason is not None:
+            return Outcome(False, reason)
+        try:
+            return Outcome(True, "", self.bench(cfg))
+        except Exception as e:
+            return Outcome(False, f"timing error: {type(e).__name__}: {e}")
