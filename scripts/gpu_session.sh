@@ -18,11 +18,14 @@
 #   bash scripts/gpu_session.sh H   the sampled GPU tests (every C), then the sampled record
 #                                   kernel's sweep (block, splits, warps, C): V=151936 on GPU 0,
 #                                   V=200064 on GPU 1, merged into out/tables/sm90/sampled.json
+#   bash scripts/gpu_session.sh I   the GPU tests of every C (GPU 0) next to the full sampled grid
+#                                   with C = 32 admitted (--top-k-max 31; V=151936 TP2, rows 1 and
+#                                   256; GPU 1; journal only, no table), then the step benchmark
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A, B, C, D, E, F, G or H}
+STAGE=${1:?stage A, B, C, D, E, F, G, H or I}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -156,6 +159,22 @@ if tables:
     from shardmax.tuner.plot import plot_table
     print(f"  plot {plot_table(path)}")
 PY
+  ;;
+I)
+  stamp "GPU tests of every C (GPU 0) | sampled grid with C = 32 admitted (GPU 1)"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    -k "every_candidate_count or record_candidates" tests/test_gpu.py >"$OUT/tests_I.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -m tuner --op sampled --top-k-max 31 --vocab 151936 \
+    --tp 2 --rows 1 256 --space quick --rounds 3 --no-write-table --no-progress \
+    --studies-dir "$OUT/studies_c32" --out "$OUT/c32" >"$OUT/tune_I_c32.log" 2>&1 &
+  wait
+  tail -4 "$OUT/tests_I.log"
+  grep -E -- '->|budget' "$OUT/tune_I_c32.log"
+  stamp "step benchmark"
+  timeout "$(left 560)" python3 -m benchmarks --part step --budget-s "$(left 530)" \
+    --out benchmarks/results/sm90 >"$OUT/bench_step.log" 2>&1
+  echo "  rc=$?"
+  tail -22 "$OUT/bench_step.log"
   ;;
 *)
   echo "unknown stage $STAGE" >&2
