@@ -21,11 +21,13 @@
 #   bash scripts/gpu_session.sh I   the GPU tests of every C (GPU 0) next to the full sampled grid
 #                                   with C = 32 admitted (--top-k-max 31; V=151936 TP2, rows 1 and
 #                                   256; GPU 1; journal only, no table), then the step benchmark
+#   bash scripts/gpu_session.sh J   the sampled sweep of stage H for fp32 (merged into the sampled
+#                                   table carried in out/tables), then the step benchmark with it
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A, B, C, D, E, F, G, H or I}
+STAGE=${1:?stage A, B, C, D, E, F, G, H, I or J}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -130,16 +132,21 @@ G)
   echo "  rc=$?"
   tail -22 "$OUT/bench_step.log"
   ;;
-H)
-  stamp "sampled GPU tests (every C a table may pick, record candidates, fast mode)"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -k "sampled or record_candidates or strict or layout" \
-    tests/test_gpu.py tests/test_strict_vllm.py 2>&1 | tail -6
-  stamp "sampled sweep: V=151936 on GPU 0, V=200064 on GPU 1 (bf16, TP 2/4/8)"
-  budget=$(($(left 540) - 30))
+H | J)
+  SWEEP_DTYPE=bf16 DEADLINE=540
+  if [ "$STAGE" = J ]; then
+    SWEEP_DTYPE=fp32 DEADLINE=400
+  else
+    stamp "sampled GPU tests (every C a table may pick, record candidates, fast mode)"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -k "sampled or record_candidates or strict or layout" \
+      tests/test_gpu.py tests/test_strict_vllm.py 2>&1 | tail -6
+  fi
+  stamp "sampled sweep: V=151936 on GPU 0, V=200064 on GPU 1 ($SWEEP_DTYPE, TP 2/4/8)"
+  budget=$(($(left $DEADLINE) - 30))
   for g in 0 1; do
     vocab=$([ $g = 0 ] && echo 151936 || echo 200064)
     tune $g sampled "tune_H_$vocab.log" --out "$TABLES/g$g" --studies-dir "$OUT/studies_g$g" \
-      --dtype bf16 --tp 2 4 8 --vocab "$vocab" --rows 1 4 16 64 256 1024 \
+      --dtype $SWEEP_DTYPE --tp 2 4 8 --vocab "$vocab" --rows 1 4 16 64 256 1024 \
       --n-trials 14 --budget-s "$budget" &
   done
   wait
@@ -151,7 +158,8 @@ root = Path(sys.argv[1])
 tables = [export.read_table(root / f"g{g}" / "sm90" / "sampled.json") for g in (0, 1)]
 tables = [t for t in tables if t is not None]
 if tables:
-    new = [r for t in tables for r in t["rows"] if r["match"] and r.get("tuned", True)]
+    new = list({json.dumps(r["match"], sort_keys=True): r for t in tables for r in t["rows"]
+                if r["match"] and r.get("tuned", True)}.values())  # one row per match
     prov = dict(tables[0]["provenance"], mode="single-gpu record kernel step (record + merge + "
                 "finish on tp copies of one rank's buffer); two GPUs, one vocabulary each")
     path = export.write_table(root, "sm90", "sampled", new, prov, tuned=True)
@@ -159,6 +167,13 @@ if tables:
     from shardmax.tuner.plot import plot_table
     print(f"  plot {plot_table(path)}")
 PY
+  if [ "$STAGE" = J ]; then
+    stamp "step benchmark"
+    SHARDMAX_TABLES_DIR=$TABLES timeout "$(left 570)" python3 -m benchmarks --part step \
+      --budget-s "$(left 545)" --out benchmarks/results/sm90 >"$OUT/bench_step.log" 2>&1
+    echo "  rc=$?"
+    tail -22 "$OUT/bench_step.log"
+  fi
   ;;
 I)
   stamp "GPU tests of every C (GPU 0) | sampled grid with C = 32 admitted (GPU 1)"
