@@ -263,10 +263,15 @@ def _markdown(cells: list[dict[str, Any]]) -> str:
         "pipeline's logit-space rule passes them. Reasons at T=1, p=0.95, C=64 (all entropies, "
         "both pipelines): " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ".",
         "",
-        f"**Recommended default C: {rec}** (the smallest C within 1 point of C=256's weighted "
-        "pass rate at T=1, p=0.95). The guard's pass rate does not depend on the GPU; what C "
-        "costs (the candidate selection and a larger all_gather) does, and was not measured yet, "
-        "so the same C is recommended for sm90 and gfx950 until the tuner times it.",
+        f"**Recommended C for the pass rate: {rec}** (the smallest C within 1 point of C=256's "
+        "weighted pass rate at T=1, p=0.95). The guard's pass rate does not depend on the GPU; "
+        "what C costs (the candidate selection, the merge and a larger all_gather) does, and "
+        "the tuner times it per GPU and step size (`python -m tuner --op sampled`). Under the "
+        "fast mode's top-k contract (every top-k `k < 64` runs sharded, the tuner's default "
+        "`--top-k-max 63`) only C = 64 and 128 are searched; a deployment whose requests never "
+        "use top-k above 31 can admit C = 32 with `--top-k-max 31`.",
+        "",
+        *_tuned_c_section(),
         "",
         *_split_model_section(cells),
         "The monolithic kernel (steps of more than 64 rows, or with top-k) is not modelled: its "
@@ -319,6 +324,42 @@ def _split_model_section(cells: list[dict[str, Any]]) -> list[str]:
         "a flat row in `tests/test_reference_nucleus.py::test_split_pipeline_model`.",
         "",
     ]
+    return lines
+
+
+def tuned_candidates(arch: str) -> dict[str, Counter[int]] | None:
+    """C chosen per dtype by the packaged ``generated/<arch>/sampled.json`` (measured rows only;
+    None when the table is untuned or missing)."""
+    import json
+    from importlib import resources
+
+    try:
+        text = (resources.files("shardmax.generated") / arch / "sampled.json").read_text()
+    except (FileNotFoundError, OSError):
+        return None
+    table = json.loads(text)
+    if not table.get("tuned"):
+        return None
+    out: dict[str, Counter[int]] = {}
+    for row in table["rows"]:
+        if row["match"] and row.get("tuned", True):
+            dtype = str(row["match"].get("dtype", "any"))
+            out.setdefault(dtype, Counter())[int(row["launch"]["candidates"])] += 1
+    return out
+
+
+def _tuned_c_section() -> list[str]:
+    lines = ["C per GPU, as the tuner chose it (`generated/<arch>/sampled.json`, read now):", ""]
+    for arch in ("sm90", "gfx950"):
+        got = tuned_candidates(arch)
+        if got is None:
+            lines.append(f"- {arch}: untuned table; the built-in C = 64 until it is tuned.")
+            continue
+        per = "; ".join(
+            f"{dtype}: " + ", ".join(f"C={c} in {n} rows" for c, n in sorted(cnt.items()))
+            for dtype, cnt in sorted(got.items())
+        )
+        lines.append(f"- {arch}: {per}.")
     return lines
 
 

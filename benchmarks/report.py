@@ -420,14 +420,16 @@ def summary_markdown(local_rows: list[dict[str, Any]], step_rows: list[dict[str,
             "## Sampled verification step, TP2, V=200064 (temperature 1.0, fast mode)",
             "",
             "Sharded = `sharded_verify(mode=\"fast\")`: one all_gather of 24-byte records per "
-            "row and rank, then the finish kernel. Plain = all_gather of the full padded logits, "
+            "row and record split, then the finish kernel; the record kernel's block, splits, "
+            "warps and C come from the dispatcher's `sampled` table (the `variant` column of "
+            "`step_tp2.csv` names them). Plain = all_gather of the full padded logits, "
             "then the same kernels on the full logits. Flagged = fraction of requests returned "
             "with `fallback` (the caller re-verifies them natively); on these random-normal "
             "logits, not a prediction for real traffic. +top-k/top-p = the same with top-k 20 and "
-            "top-p 0.95 on every request (each record split's top-64 candidate keys, selected "
+            "top-p 0.95 on every request (each record split's top-C candidate keys, selected "
             "in the record kernel, ride the all_gather; `sampled_merge` merges them and decides "
-            "the exact nucleus where the guard passes; wire = 544 B per row and record split). "
-            "Greedy verification of the same batch alongside.",
+            "the exact nucleus where the guard passes; wire = 32 + 8 C B per row and record "
+            "split). Greedy verification of the same batch alongside.",
             "",
             _table(
                 ["dtype", "rows", "sampled sharded us", "sampled plain us", "x plain",

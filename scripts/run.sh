@@ -38,10 +38,10 @@ python - <<'PY'
 from shardmax.dispatch import Problem, detect_arch, select
 arch = detect_arch()
 print(f"arch: {arch or 'none (CPU: built-in portable default)'}")
-for op in ("argmax", "verify"):
+for op in ("argmax", "verify", "sampled"):
     for tp, width in ((1, 200064), (4, 50016), (8, 25008)):
         for rows in (4, 96, 512):
             s = select(Problem(op, "bf16", tp, rows, width, 16))
-            print(f"  {op:6} V=200064 TP{tp} rows={rows:4}: {s.variant} {s.launch} "
+            print(f"  {op:7} V=200064 TP{tp} rows={rows:4}: {s.variant} {s.launch} "
                   f"tuned={s.is_tuned} ({s.source.split('/')[-1]})")
 PY

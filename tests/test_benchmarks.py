@@ -372,6 +372,7 @@ def test_nucleus_study_smoke(tmp_path: Path) -> None:
     assert all(c["model_differs"] == "" for c in cells if c["pipeline"] == "monolithic")
     paths = ns.write(cells, tmp_path)
     assert all(p.exists() and p.stat().st_size > 0 for p in paths.values())
-    assert "Recommended default C" in paths["md"].read_text()
+    assert "Recommended C for the pass rate" in paths["md"].read_text()
+    assert "- sm90: bf16: C=" in paths["md"].read_text()  # read from the committed table
     assert "split top-p pipeline (modelled)" in paths["md"].read_text()
     assert ns.read_cells(paths["csv"]) == cells  # --from-csv re-renders the same numbers
