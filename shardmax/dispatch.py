@@ -50,7 +50,17 @@ MAX_SPLITS = 32
 
 @dataclass(frozen=True)
 class Problem:
-    """What the dispatcher keys on. ``width`` is the local padded shard width W."""
+    """What the dispatcher keys on.
+
+    ``rows`` = logits rows of the step, ``width`` = the local padded shard width W (columns of
+    one rank's logits, the same on every rank), ``align`` = 16 when the logits' row stride is a
+    multiple of 16 elements, else 1 (:func:`alignment_of`; tuned rows are keyed ``align=16``),
+    ``arch`` = the arch id whose table answers (None: the current device's, :func:`detect_arch`).
+
+    Raises:
+        ValueError: an unknown ``op`` or ``dtype``, ``tp < 1``, ``rows < 0``, ``width < 1`` or
+            ``align`` not 1 / 16.
+    """
 
     op: str  # "argmax" | "verify" | "sampled"
     dtype: str  # "bf16" | "fp16" | "fp32"
@@ -63,6 +73,15 @@ class Problem:
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"op: {self.op!r}, expected one of {OPS}")
+        if self.dtype not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"dtype: {self.dtype!r}, expected 'bf16', 'fp16' or 'fp32'")
+        if self.tp < 1 or self.rows < 0 or self.width < 1:
+            raise ValueError(
+                f"tp={self.tp}, rows={self.rows}, width={self.width}: expected tp >= 1, "
+                "rows >= 0, width >= 1"
+            )
+        if self.align not in (1, 16):
+            raise ValueError(f"align: {self.align!r}, expected 1 or 16 (see alignment_of)")
 
 
 @dataclass(frozen=True)

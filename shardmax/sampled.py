@@ -393,9 +393,10 @@ class RecordLaunch(NamedTuple):
 
 def record_launch(local_logits: torch.Tensor, tp: int) -> RecordLaunch:
     """The dispatcher's ``sampled`` selection for a step's ``[rows, W]`` local logits
-    (:func:`shardmax.dispatch.select` on ``(dtype, tp, rows, W, row-stride alignment)``):
-    ``generated/<arch>/sampled.json`` on a tuned GPU, the built-in default otherwise (block
-    2048, 4 warps, C = 64, :func:`record_splits`)."""
+    (:func:`shardmax.dispatch.select` on ``(dtype, tp, rows, W, row-stride alignment)`` for the
+    current device's arch): ``generated/<arch>/sampled.json`` on a tuned GPU, the built-in
+    default otherwise (block 2048, 4 warps, C = 64, :func:`record_splits`; on a CPU always).
+    To see what another GPU would pick, call ``select(Problem("sampled", ..., arch="sm90"))``."""
     from shardmax.dispatch import Problem, alignment_of, select
 
     rows, width = local_logits.shape

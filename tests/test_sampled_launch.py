@@ -181,7 +181,9 @@ def test_candidates_do_not_change_unflagged_outputs():
 
 # ------------------------------------------------------------------------------ 3. tuner
 def test_sampled_space():
-    b = next(x for x in buckets("sampled", quick=True) if x.tp == 8 and x.rows_le == 1)
+    quick = buckets("sampled", quick=True)
+    assert len(quick) == 12 and {x.vocab for x in quick} == {151936}  # one vocabulary
+    b = next(x for x in quick if x.tp == 8 and x.rows_le == 1)
     cs = candidates(b, "sm90", quick=True)
     assert cs and all(c.is_sampled and c.candidates > DEFAULT_TOP_K_MAX for c in cs)
     assert {c.candidates for c in cs} == {64, 128}
@@ -236,3 +238,14 @@ def test_sampled_cli_sweep(tmp_path, capsys):
     assert row["variant"].startswith("sampled_record_bf16_b") and "candidates" in row["launch"]
     assert tuner_main(["--op", "sampled", "--distributed", "--no-progress"]) == 2
     assert "one GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [({"align": 8}, "align"), ({"dtype": "int8"}, "dtype"), ({"tp": 0}, "tp=0"),
+     ({"width": 0}, "width=0"), ({"rows": -1}, "rows=-1"), ({"op": "topk"}, "op")],
+)  # fmt: skip
+def test_problem_rejects_bad_fields(kw, msg):
+    base = {"op": "sampled", "dtype": "bf16", "tp": 2, "rows": 4, "width": 1504, "align": 16}
+    with pytest.raises(ValueError, match=msg):
+        Problem(**{**base, **kw})

@@ -210,7 +210,15 @@ def _sweep(
 
     deadline = time.monotonic() + args.budget_s if args.budget_s is not None else None
     skipped: list[str] = []
-    n_trials = args.n_trials if args.n_trials is not None else (None if on_gpu else 3)
+    from .problems import QUICK_SAMPLED_TRIALS
+
+    def trials_of(op: str) -> int | None:
+        if args.n_trials is not None:
+            return int(args.n_trials)
+        if not on_gpu:
+            return 3
+        return QUICK_SAMPLED_TRIALS if op == "sampled" and args.quick else None
+
     rounds = args.rounds or (5 if on_gpu else 2)
     metric = metric_name(device, args.l2_cold)
     storage_desc = args.storage or str((args.studies_dir or study.default_studies_dir()) / arch)
@@ -274,7 +282,7 @@ def _sweep(
                     ls,
                     configs,
                     seed=args.seed,
-                    n_trials=n_trials,
+                    n_trials=trials_of(op),
                     timeout=args.timeout,
                     progress=not args.no_progress,
                 )

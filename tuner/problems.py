@@ -45,6 +45,11 @@ ROW_BUCKETS = (1, 4, 16, 32, 64, 96, 128, 256, 512, 1024, 2048)
 QUICK_VOCABS = (200064, 151936)
 QUICK_TPS = (1, 4, 8)
 QUICK_ROWS = (1, 32, 96, 512)
+QUICK_SAMPLED_VOCABS = (151936,)
+"""``--quick`` for op ``sampled``: one vocabulary (its points cost a gate of nine sampled requests
+and a candidate step each), so the quick sweep of all three ops stays within ~10 minutes."""
+QUICK_SAMPLED_TRIALS = 12
+"""``--quick`` for op ``sampled``: trials per bucket (the grid has up to ~50 points)."""
 
 TINY_MODELS = (Model("tiny-cpu", 3000),)
 """CPU / interpreter mode: a tiny vocabulary so the sweep runs end to end in seconds."""
@@ -120,7 +125,8 @@ def buckets(
 ) -> list[Bucket]:
     """The buckets of one sweep, sorted (dtype, tp, align, width, rows).
 
-    ``quick``: V in :data:`QUICK_VOCABS`, TP in :data:`QUICK_TPS`, rows in :data:`QUICK_ROWS`.
+    ``quick``: V in :data:`QUICK_VOCABS` (op ``sampled``: :data:`QUICK_SAMPLED_VOCABS`), TP in
+    :data:`QUICK_TPS`, rows in :data:`QUICK_ROWS`.
     ``tiny``: the CPU/interpreter set. Explicit ``tps``/``vocabs``/``rows`` override either.
     """
     if op not in OPS:
@@ -129,7 +135,8 @@ def buckets(
     tp_list: tuple[int, ...] = TPS
     row_list: tuple[int, ...] = ROW_BUCKETS
     if quick:
-        models = tuple(m for m in MODELS if m.vocab in QUICK_VOCABS)
+        vocabs_q = QUICK_SAMPLED_VOCABS if op == "sampled" else QUICK_VOCABS
+        models = tuple(m for m in MODELS if m.vocab in vocabs_q)
         tp_list, row_list = QUICK_TPS, QUICK_ROWS
     if tiny:
         models, tp_list, row_list = TINY_MODELS, TINY_TPS, TINY_ROWS
