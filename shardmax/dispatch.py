@@ -181,7 +181,13 @@ def _table_paths(arch: str, op: str) -> list[Path]:
 
 @functools.cache
 def load_table(path: Path) -> dict[str, Any] | None:
-    """A tuned table (cached, negative results too); None if the file does not exist."""
+    """A tuned table (cached, negative results too); None if the file does not exist.
+
+    Raises:
+        ValueError: not valid JSON, a schema error (:func:`validate_table`), or a table whose
+            ``op`` / ``arch`` is not the one its path ``<arch>/<op>.json`` says (a sampled table
+            in ``verify.json`` would hand a greedy op a record kernel).
+    """
     if not path.exists():
         return None
     try:
@@ -189,6 +195,11 @@ def load_table(path: Path) -> dict[str, Any] | None:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from e
     validate_table(table, str(path))
+    if table["op"] != path.stem or table["arch"] != path.parent.name:
+        raise ValueError(
+            f"{path}: holds op {table['op']!r} for arch {table['arch']!r}, but its path says op "
+            f"{path.stem!r} for arch {path.parent.name!r}"
+        )
     return table
 
 
@@ -199,6 +210,7 @@ _MATCH_TYPES: dict[str, Any] = {
     "rows_le": int,
     "width_le": int,
 }
+_MATCH_MIN = {"tp": 1, "rows_le": 1, "width_le": 1}
 
 
 def validate_launch(launch: dict[str, Any], where: str) -> None:
@@ -222,7 +234,7 @@ def validate_launch(launch: dict[str, Any], where: str) -> None:
         from shardmax.sampled import CANDIDATE_CHOICES
 
         c = launch["candidates"]
-        if isinstance(c, bool) or c not in CANDIDATE_CHOICES:
+        if not isinstance(c, int) or isinstance(c, bool) or c not in CANDIDATE_CHOICES:
             raise ValueError(f"{where}: candidates must be one of {CANDIDATE_CHOICES}, got {c!r}")
 
 
@@ -245,6 +257,10 @@ def validate_table(table: Any, where: str = "table") -> None:
         raise ValueError(f"{where}: op {table['op']!r}, expected one of {OPS}")
     if not isinstance(table["arch"], str) or not table["arch"]:
         raise ValueError(f"{where}: arch must be an arch id such as 'sm90' or 'gfx950'")
+    if not isinstance(table["tuned"], bool):
+        raise ValueError(f"{where}: tuned must be true or false, got {table['tuned']!r}")
+    if not isinstance(table["provenance"], dict):
+        raise ValueError(f"{where}: provenance must be an object")
     rows = table["rows"]
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{where}: rows must be a non-empty list")
@@ -259,25 +275,34 @@ def validate_table(table: Any, where: str = "table") -> None:
             if allowed is None:
                 raise ValueError(f"{at}: unknown match key {k!r} (known: {sorted(_MATCH_TYPES)})")
             ok = isinstance(v, allowed) if isinstance(allowed, type) else v in allowed
-            if not ok or isinstance(v, bool):
+            if not ok or isinstance(v, bool) or v < _MATCH_MIN.get(k, v):
                 raise ValueError(f"{at}: match {k}={v!r} has the wrong type or value")
+        if not isinstance(row.get("tuned", True), bool):
+            raise ValueError(f"{at}: tuned must be true or false, got {row['tuned']!r}")
         variant = row.get("variant")
         sampled = table["op"] == "sampled"
         if variant == PLAIN and sampled:
             raise ValueError(
                 f"{at}: op sampled has no plain path; variant must be sampled_record_*"
             )
+        if not isinstance(variant, str):
+            raise ValueError(f"{at}: variant must be a variant name, got {variant!r}")
         if variant != PLAIN:
-            key = parse_name(str(variant))
+            try:
+                key = parse_name(variant)
+                load(variant)  # not a generated module, e.g. a block that is never generated
+            except ValueError as e:
+                raise ValueError(f"{at}: {e}") from e
             family = "sampled_record" if sampled else "shard_keys"
             if key.family != family:
                 raise ValueError(f"{at}: variant {variant!r} is not a {family}_* variant")
-            load(str(variant))  # ValueError if it is not a generated module
             launch = row.get("launch")
             need = {"splits", "num_warps", "transport"} | ({"candidates"} if sampled else set())
             if not isinstance(launch, dict) or not need <= set(launch):
                 raise ValueError(f"{at}: launch lacks {'/'.join(sorted(need))}")
             validate_launch(launch, at)
+            if sampled and launch["transport"] != "allgather":
+                raise ValueError(f"{at}: op sampled's transport is 'allgather' (its only one)")
     if rows[-1]["match"] != {}:
         raise ValueError(f'{where}: the last row must be the catch-all ("match": {{}})')
 
@@ -404,7 +429,7 @@ select.cache_clear = _select_cached.cache_clear  # type: ignore[attr-defined]
 
 def _warmup_records(logits: torch.Tensor, num_valid: int, sel: Selection) -> list[str]:
     """One launch of a ``sampled`` selection's record kernel per step kind (records only, and
-    with candidates), with the launch parameters a real step uses."""
+    with candidates; fp32 and fp64 Gumbel), with the launch parameters a real step uses."""
     from shardmax.sampled import sampled_records
 
     rows, dev = logits.shape[0], logits.device
@@ -415,13 +440,17 @@ def _warmup_records(logits: torch.Tensor, num_valid: int, sel: Selection) -> lis
         torch.full((rows,), -1, dtype=torch.int64, device=dev),
     )
     names = []
-    for with_candidates in (False, True):
-        sampled_records(
-            logits, 0, num_valid, params, sel.variant, False,
-            num_warps=int(sel.launch.get("num_warps", 4)), splits=sel.splits,
-            with_candidates=with_candidates, candidates=sel.candidates,
-        )  # fmt: skip
-        names.append(f"{sel.variant}[C={sel.candidates}]" if with_candidates else sel.variant)
+    for fp64 in (False, True):
+        for with_candidates in (False, True):
+            sampled_records(
+                logits, 0, num_valid, params, sel.variant, fp64,
+                num_warps=int(sel.launch.get("num_warps", 4)), splits=sel.splits,
+                with_candidates=with_candidates, candidates=sel.candidates,
+            )  # fmt: skip
+            tag = ",".join(
+                [*(["fp64"] if fp64 else []), *([f"C={sel.candidates}"] if with_candidates else [])]
+            )
+            names.append(f"{sel.variant}[{tag}]" if tag else sel.variant)
     return names
 
 
@@ -439,8 +468,9 @@ def warmup(
     once per K in ``num_speculative_steps`` and per synthetic / chunked-prefill flag, with vLLM's
     index dtypes (int32 drafts, cu_num_logits, idx_mapping, seq_lens, prefill_len; int64
     positions and seeds). ``sampled`` problems launch their record kernel (records only, and
-    with the selection's C candidates; the merge and finish kernels compile on a step's first
-    call). Sizes are not specialised by the kernels, so afterwards a CUDA graph of any batch size
+    with the selection's C candidates, fp32 and fp64 Gumbel); their merge and finish kernels
+    are not launched here and compile on a step's first call, so run one sampled step of each
+    kind (and TP size) before capturing one. Sizes are not specialised by the kernels, so afterwards a CUDA graph of any batch size
     of these problems captures without compiling. No collective is issued.
 
     Returns the names of the kernels launched.

@@ -103,8 +103,8 @@ def can_shard_verify(
     Args:
         temperatures: per-request temperature of the step; each must be exactly ``0.0``.
         top_k: per-request top-k or ``None``; each must be ``<= 0`` (disabled) or, when
-            ``vocab_size`` is given, ``== vocab_size``. With ``vocab_size`` unknown only
-            ``<= 0`` counts as disabled.
+            ``vocab_size`` is given, ``>= vocab_size`` (keeps every token: disabled too). With
+            ``vocab_size`` unknown only ``<= 0`` counts as disabled.
         top_p: per-request top-p or ``None``; each must be ``1.0``.
         min_p: per-request min-p or ``None``; each must be ``0.0``.
         vocab_size: the unpadded vocabulary, used for the top-k rule.
@@ -134,11 +134,20 @@ def can_shard_verify(
         (non-greedy request)")``.
 
     Raises:
-        ValueError: ``allow_top_k`` without ``allow_temperature``. Otherwise nothing for
-        well-typed input: every failing rule is reported in the decision.
+        ValueError: ``allow_top_k`` without ``allow_temperature``, or ``candidates`` not one of
+            :data:`shardmax.sampled.CANDIDATE_CHOICES`. TypeError: ``candidates`` not an int.
+            Otherwise nothing for well-typed input: every failing rule is reported in the
+            decision.
     """
     if allow_top_k and not allow_temperature:
         raise ValueError("allow_top_k=True needs allow_temperature=True (top-k rows are sampled)")
+    if candidates is not None:
+        from shardmax.sampled import CANDIDATE_CHOICES
+
+        if not isinstance(candidates, int) or isinstance(candidates, bool):
+            raise TypeError(f"candidates: expected an int, got {type(candidates).__name__}")
+        if candidates not in CANDIDATE_CHOICES:
+            raise ValueError(f"candidates: expected one of {CANDIDATE_CHOICES}, got {candidates}")
     for i, t in enumerate(temperatures):
         if t == 0.0:
             continue
@@ -151,9 +160,10 @@ def can_shard_verify(
 
         cap = TOPK_CANDIDATES if candidates is None else candidates
         for i, k in enumerate(top_k):
-            if k > 0 and (vocab_size is None or k != vocab_size):
+            if k > 0 and (vocab_size is None or k < vocab_size):
                 if not allow_top_k:
-                    return _no(f"top_k[{i}]={k} != vocab_size={vocab_size} (top-k active)")
+                    vs = "unknown" if vocab_size is None else f"{vocab_size}"
+                    return _no(f"top_k[{i}]={k} < vocab_size={vs} (top-k active)")
                 greedy = i < len(temperatures) and temperatures[i] == 0.0
                 if not greedy and k >= cap:
                     return _no(

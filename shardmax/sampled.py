@@ -63,7 +63,7 @@ from shardmax.strict import (
     strict_lse,
 )
 from shardmax.validation import SUPPORTED_DTYPES, check_index_tensor, value_checks_enabled
-from shardmax.variants import VariantKey, build_name, finish_variant
+from shardmax.variants import VariantKey, build_name, finish_variant, parse_name
 
 __all__ = [
     "DEFAULT_RECORD_BLOCK",
@@ -393,17 +393,25 @@ class RecordLaunch(NamedTuple):
 
 def record_launch(local_logits: torch.Tensor, tp: int) -> RecordLaunch:
     """The dispatcher's ``sampled`` selection for a step's ``[rows, W]`` local logits
-    (:func:`shardmax.dispatch.select` on ``(dtype, tp, rows, W, row-stride alignment)`` for the
-    current device's arch): ``generated/<arch>/sampled.json`` on a tuned GPU, the built-in
-    default otherwise (block 2048, 4 warps, C = 64, :func:`record_splits`; on a CPU always).
-    To see what another GPU would pick, call ``select(Problem("sampled", ..., arch="sm90"))``."""
-    from shardmax.dispatch import Problem, alignment_of, select
+    (:func:`shardmax.dispatch.select` for the current device's arch): ``generated/<arch>/
+    sampled.json`` on a tuned GPU, the built-in default otherwise (block 2048, 4 warps, C = 64,
+    :func:`record_splits`; on a CPU always). The problem is keyed by ``(dtype, tp, rows, W)``
+    and ``align`` = 16 iff ``W % 16 == 0`` -- the padded width, not the tensor's row stride (the
+    record kernel has no alignment variants), so every rank picks the same launch and sends the
+    same number of words. To see what another GPU would pick, call
+    ``select(Problem("sampled", ..., arch="sm90"))``.
+
+    Raises:
+        ValueError: the selection does not name a ``sampled_record_*`` variant of the logits'
+            dtype (e.g. ``dispatch.override(variant=...)`` forced a greedy variant).
+    """
+    from shardmax.dispatch import Problem, select
 
     rows, width = local_logits.shape
-    problem = Problem(
-        "sampled", SUPPORTED_DTYPES[local_logits.dtype], tp, rows, width, alignment_of(local_logits)
-    )
+    dtype = SUPPORTED_DTYPES[local_logits.dtype]
+    problem = Problem("sampled", dtype, tp, rows, width, 16 if width % 16 == 0 else 1)
     sel = select(problem)
+    check_record_selection(sel.variant, dtype)
     return RecordLaunch(
         sel.variant,
         min(sel.splits, MAX_RECORD_SPLITS),
@@ -411,6 +419,20 @@ def record_launch(local_logits: torch.Tensor, tp: int) -> RecordLaunch:
         sel.candidates,
         sel.source,
     )
+
+
+def check_record_selection(variant: str, dtype: str) -> None:
+    """Raise ValueError unless ``variant`` is a ``sampled_record_*`` name for ``dtype``."""
+    try:
+        key = parse_name(variant)
+    except ValueError:
+        key = None
+    if key is None or key.family != "sampled_record" or key.dtype != dtype:
+        raise ValueError(
+            f"variant: {variant!r} is not a sampled_record_{dtype}_b<block> variant (sampled "
+            "verification runs the record kernel of the logits' dtype; check "
+            "dispatch.override(variant=...) or the selection passed in)"
+        )
 
 
 def sampled_records(

@@ -45,11 +45,11 @@ def test_decision_is_frozen_and_falsy_when_rejected():
         ({"temperatures": [float("nan")]}, "temperature[0]=nan != 0 (non-greedy request)"),
         (
             {"temperatures": GREEDY, "top_k": [-1, 50, 0], "vocab_size": 32000},
-            "top_k[1]=50 != vocab_size=32000 (top-k active)",
+            "top_k[1]=50 < vocab_size=32000 (top-k active)",
         ),
         (
             {"temperatures": GREEDY, "top_k": [32000]},
-            "top_k[0]=32000 != vocab_size=None (top-k active)",
+            "top_k[0]=32000 < vocab_size=unknown (top-k active)",
         ),
         ({"temperatures": GREEDY, "top_p": [1.0, 0.9]}, "top_p[1]=0.9 != 1 (top-p active)"),
         ({"temperatures": GREEDY, "min_p": [0.0, 0.0, 0.05]}, "min_p[2]=0.05 != 0 (min-p active)"),
@@ -122,7 +122,7 @@ def test_allow_temperature_accepts_sampled_rows():
         ({"temperatures": [0.0, -0.5]}, "temperature[1]=-0.5 is not a finite value >= 0"),
         (
             {"temperatures": [0.8, 0.8], "top_k": [-1, 5], "vocab_size": 32000},
-            "top_k[1]=5 != vocab_size=32000 (top-k active)",
+            "top_k[1]=5 < vocab_size=32000 (top-k active)",
         ),
         ({"temperatures": [0.8], "top_p": [0.9]}, "top_p[0]=0.9 != 1 (top-p active)"),
         ({"temperatures": [0.8], "min_p": [0.1]}, "min_p[0]=0.1 != 0 (min-p active)"),

@@ -118,7 +118,8 @@ def test_sampled_table_validation(row, msg):
 
 def test_warmup_launches_the_record_kernel():
     names = dispatch.warmup([Problem("sampled", "bf16", 2, 2, 1504, 16)], device="cpu")
-    assert names == ["sampled_record_bf16_b2048", "sampled_record_bf16_b2048[C=64]"]
+    v = "sampled_record_bf16_b2048"
+    assert names == [v, f"{v}[C=64]", f"{v}[fp64]", f"{v}[fp64,C=64]"]
 
 
 # ------------------------------------------------------------------------------ 2. public op
@@ -192,6 +193,11 @@ def test_sampled_space():
     assert {c.candidates for c in candidates(b, "sm90", quick=True, top_k_max=31)} == {32, 64, 128}
     with pytest.raises(ValueError, match="top_k_max"):
         candidates(b, "sm90", top_k_max=128)
+    # gfx950: every record tile spills in the AOT report; all are kept rather than none
+    assert {c.block for c in candidates(b, "gfx950", quick=True)} == {1024, 2048, 4096}
+    for bad in ("rec_b2048_w4_x8_c0", "rec_b2048_w4_x8_c48", "rec_b0_w4_x1_c64"):
+        with pytest.raises(ValueError, match="config"):
+            Config.parse(bad)
     for c in cs[:5]:
         assert Config.parse(c.name) == c
         sel = c.selection(b.dtype, b.align)
@@ -209,7 +215,7 @@ def _tiny_bucket(rows: int = 4) -> Bucket:
 
 def test_sampled_gate_accepts_and_rejects(monkeypatch):
     runner = SampledRunner(_tiny_bucket(), torch.device("cpu"))
-    assert len(REQUEST_KINDS) == 9
+    assert len(REQUEST_KINDS) == 10
     assert runner.gate(Config(1024, 4, 0, 2, "allgather", 32), seed=3) is None
     assert runner.gate(Config(2048, 4, 0, 1, "allgather", 128), seed=4) is None
     real = emulate_sampled.finish_gathered
@@ -229,15 +235,20 @@ def test_sampled_cli_sweep(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--op", "sampled", "--tp", "2", "--rows", "1", "--n-trials", "2", "--no-progress",
             "--no-plot", "--studies-dir", str(tmp_path / "s"), "--out", str(out), "--write-table",
-            "--top-k-max", "31"]  # fmt: skip
+            "--top-k-max", "64"]  # fmt: skip
     assert tuner_main(argv) == 0
     table = json.loads((out / "sm90" / "sampled.json").read_text())
     validate_table(table)
     assert table["tuned"] is False and table["op"] == "sampled"
     row = table["rows"][0]
-    assert row["variant"].startswith("sampled_record_bf16_b") and "candidates" in row["launch"]
+    assert row["variant"].startswith("sampled_record_bf16_b")
+    # the packaged table's row for this bucket (C = 64) is outside --top-k-max 64: never kept
+    assert row["launch"]["candidates"] == 128 and not row["kept_incumbent"]
     assert tuner_main(["--op", "sampled", "--distributed", "--no-progress"]) == 2
     assert "one GPU" in capsys.readouterr().err
+    for bad in ("128", "-1"):
+        assert tuner_main(["--op", "sampled", "--top-k-max", bad, "--no-progress"]) == 2
+        assert "--top-k-max must be in [0, 127]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -249,3 +260,78 @@ def test_problem_rejects_bad_fields(kw, msg):
     base = {"op": "sampled", "dtype": "bf16", "tp": 2, "rows": 4, "width": 1504, "align": 16}
     with pytest.raises(ValueError, match=msg):
         Problem(**{**base, **kw})
+
+
+def _write(tmp_path, arch: str, op: str, table: dict) -> None:
+    (tmp_path / arch).mkdir(exist_ok=True)
+    (tmp_path / arch / f"{op}.json").write_text(json.dumps(table))
+
+
+def test_table_must_hold_the_op_and_arch_its_path_names(tmp_path):
+    _write(tmp_path, "sm90", "verify", _sampled_table([_row({})]))
+    with pytest.raises(ValueError, match=r"holds op 'sampled' .* path says op 'verify'"):
+        dispatch.load_table(tmp_path / "sm90" / "verify.json")
+    _write(tmp_path, "gfx950", "sampled", _sampled_table([_row({})]))
+    with pytest.raises(ValueError, match=r"for arch 'sm90', but its path says .* 'gfx950'"):
+        dispatch.load_table(tmp_path / "gfx950" / "sampled.json")
+
+
+@pytest.mark.parametrize(
+    ("change", "msg"),
+    [
+        (lambda t: t["rows"][0]["launch"].update(transport="allreduce"), "only one"),
+        (lambda t: t["rows"][0]["launch"].update(candidates=64.0), "candidates must be one of"),
+        (lambda t: t["rows"][0]["match"].update(rows_le=0), "rows_le=0"),
+        (lambda t: t["rows"][0]["match"].update(tp=0), "tp=0"),
+        (lambda t: t.update(tuned="yes"), "tuned must be"),
+        (lambda t: t["rows"][0].update(tuned="no"), "row 0: tuned must be"),
+        (lambda t: t.update(provenance=[]), "provenance"),
+        (lambda t: t["rows"][0].pop("variant"), "row 0: variant must be"),
+        (lambda t: t["rows"][0].update(variant="sampled_record_bf16_b512"), "row 0: variant"),
+    ],
+)
+def test_table_validation_loopholes_closed(change, msg):
+    table = _sampled_table([_row({"tp": 2, "rows_le": 4}), _row({})])
+    change(table)
+    with pytest.raises(ValueError, match=msg):
+        validate_table(table)
+
+
+def test_launch_is_keyed_by_width_not_row_stride(tmp_path, monkeypatch):
+    """Ranks whose logits have the same shape but different row strides pick the same launch
+    (the all_gather needs the same words from every rank)."""
+    table = _sampled_table([
+        _row({"dtype": "bf16", "tp": 2, "align": 16, "rows_le": 4, "width_le": 2048}),
+        _row({}, "sampled_record_bf16_b2048", splits=1, num_warps=4, candidates=64),
+    ])  # fmt: skip
+    _write(tmp_path, "sm90", "sampled", table)
+    monkeypatch.setenv("SHARDMAX_TABLES_DIR", str(tmp_path))
+    monkeypatch.setattr(dispatch, "detect_arch", lambda: "sm90")
+    dense = torch.zeros(3, 2048, dtype=torch.bfloat16)
+    strided = torch.zeros(3, 2049, dtype=torch.bfloat16)[:, :2048]
+    assert record_launch(dense, 2) == record_launch(strided, 2)
+    assert record_launch(strided, 2).candidates == 128
+
+
+def test_wrong_variant_for_sampled_verification_is_refused():
+    batch, temp, top_k = _topk_batch(1500, [20, 0], seed=1)
+    a = batch.args()
+    kw = dict(batch.kwargs(), top_k=top_k)
+    for variant in ("shard_keys_fp32_va1_b1024", "sampled_record_bf16_b1024"):
+        with (
+            pytest.raises(ValueError, match="not a sampled_record_fp32"),
+            dispatch.override(variant=variant),
+        ):
+            shardmax.sharded_verify(batch.logits, *a[:5], temp, *a[5:], vocab_start=0, **kw)
+    sel = dispatch.Selection("sampled_record_bf16_b1024", {"splits": 1}, False, "test")
+    with pytest.raises(ValueError, match="not a sampled_record_fp32"):
+        emulate_sampled.emulate_verify(batch.logits, 2, *a[:5], temp, *a[5:], selection=sel, **kw)
+
+
+def test_can_shard_verify_candidates_and_large_k():
+    ok = {"temperatures": [0.7], "vocab_size": 100, "allow_temperature": True, "allow_top_k": True}
+    assert shardmax.can_shard_verify(top_k=[200], **ok)  # k >= V keeps every token: off
+    assert not shardmax.can_shard_verify(top_k=[64], candidates=64, **ok)
+    for bad, err in ((50, ValueError), (True, TypeError), ("64", TypeError), (64.0, TypeError)):
+        with pytest.raises(err, match="candidates"):
+            shardmax.can_shard_verify(top_k=[5], candidates=bad, **ok)

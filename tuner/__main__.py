@@ -142,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.distributed and "sampled" in ops:
         print("error: --op sampled is tuned on one GPU (no --distributed)", file=sys.stderr)
         return 2
+    if args.top_k_max is not None and not 0 <= args.top_k_max < 128:
+        print(
+            f"error: --top-k-max must be in [0, 127] (the largest C is 128), got {args.top_k_max}",
+            file=sys.stderr,
+        )
+        return 2
     detected = detect_arch() if on_gpu else None
     arch = args.arch or detected or "sm90"
     if args.init_defaults:
@@ -275,6 +281,8 @@ def _sweep(
             try:
                 st = study.open_study(arch, b, configs, storage, args.seed, prov)
                 inc = export.incumbent_of(table_now, b)
+                if inc is not None and inc.is_sampled and inc not in configs:
+                    inc = None  # e.g. a C the --top-k-max constraint excludes: never re-exported
                 dflt = default_config(b)
                 study.enqueue(st, configs, inc, dflt)
                 study.run_bucket(

@@ -10,10 +10,12 @@ and is not timed (as the greedy ops' single-GPU mode).
    batch that mixes every kind of request the record kernel serves (:data:`REQUEST_KINDS`:
    greedy, temperature only, top-k 20 with a tie planted at its boundary, top-k ``C - 1`` and
    ``C``, top-p 0.95, top-k 20 + top-p 0.8, min-p 0.05, a flat top-p 0.99 row whose nucleus is
-   wider than any C). Rejected unless every request that is not flagged gives ``==`` sampled /
+   wider than any C, and a peaked top-k 20 + top-p 0.9 request whose boundaries are decidable
+   at every C). Rejected unless every request that is not flagged gives ``==`` sampled /
    num_sampled / num_rejected against :func:`shardmax.reference_sampled.verify_sampled`, greedy
-   requests are never flagged, the top-k ``C`` request comes back ``TOPK_CAPACITY`` and the
-   top-k ``C - 1`` request never does (so the candidate really ran with its C).
+   requests are never flagged, the top-k ``C`` request comes back ``TOPK_CAPACITY`` (when
+   ``C < V``) and the top-k ``C - 1`` request never does (so the candidate really ran with its
+   C), and the peaked request runs sharded (a config that flags everything is not exact).
 2. timing -- one rank's candidate step of a batch of ``rows // (K + 1)`` requests sampled as
    Qwen3's default (temperature 1, top-k 20, top-p 0.95; :data:`TIMED_SAMPLING`): the record
    kernel on the rank's ``[rows, W]`` shard, then ``sampled_merge`` + ``sampled_finish`` on a
@@ -54,6 +56,7 @@ REQUEST_KINDS = (
     "top_k_20_top_p_0.8",
     "min_p_0.05",
     "flat_top_p_0.99",
+    "peaked_top_k_20_top_p_0.9",
 )
 """One gate request of each kind (in this order, cycled when the batch is larger)."""
 TIMED_SAMPLING = {"temperature": 1.0, "top_k": 20, "top_p": 0.95}
@@ -72,7 +75,14 @@ def _kind_state(kind: str, c: int) -> tuple[float, int, float, float]:
         "top_k_20_top_p_0.8": (0.7, 20, 0.8, 0.0),
         "min_p_0.05": (1.0, 0, 1.0, 0.05),
         "flat_top_p_0.99": (1.0, 0, 0.99, 0.0),
+        "peaked_top_k_20_top_p_0.9": (1.0, 20, 0.9, 0.0),
     }[kind]
+
+
+PEAK_TOP = 40.0
+PEAK_STEP = 0.25
+"""The peaked request's rows: ``PEAK_TOP - PEAK_STEP * i`` at up to 100 random ids (exact in
+bf16 / fp16 / fp32, no ties; gaps far above every guard's resolution), the rest random normal."""
 
 
 class SampledRunner:
@@ -138,6 +148,11 @@ class SampledRunner:
                 first[order[20]] = first[order[19]]
             elif kind == "flat_top_p_0.99":
                 x[cu[i] : cu[i + 1]] = torch.randn(cu[i + 1] - cu[i], b.vocab, generator=gen) * 0.01
+            elif kind == "peaked_top_k_20_top_p_0.9":
+                n = min(100, b.vocab // 2)
+                for row in range(cu[i], cu[i + 1]):
+                    ids = torch.randperm(b.vocab, generator=gen)[:n]
+                    x[row, ids] = PEAK_TOP - PEAK_STEP * torch.arange(float(n))
         full = x.to(self.dtype).to(dev)
         draft, cu_t, pos, idx, local_pos, seeds = (t.to(dev) for t in batch.args()[:6])
         kw: dict[str, Any] = {
@@ -165,8 +180,13 @@ class SampledRunner:
         for r, kind in enumerate(kinds):
             if kind == "greedy" and reason[r] != 0:
                 return f"greedy request {r} flagged (reason {reason[r]})"
-            if kind == "top_k_c" and reason[r] != FallbackReason.TOPK_CAPACITY:
+            if kind == "top_k_c" and c < b.vocab and reason[r] != FallbackReason.TOPK_CAPACITY:
                 return f"top-k {c} request {r} not flagged TOPK_CAPACITY (reason {reason[r]})"
+            if kind == "peaked_top_k_20_top_p_0.9" and b.vocab >= 200 and reason[r] != 0:
+                return (
+                    f"the peaked top-k 20 + top-p 0.9 request {r} came back flagged (reason "
+                    f"{reason[r]}); a config must verify what it can decide"
+                )
             if kind == "top_k_c_minus_1" and reason[r] == FallbackReason.TOPK_CAPACITY:
                 return f"top-k {c - 1} request {r} flagged TOPK_CAPACITY with C={c}"
         return None

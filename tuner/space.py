@@ -88,6 +88,8 @@ class Config:
         r = _REC_RE.match(name)
         if r is not None:
             rb, rw, rx, rc = (int(g) for g in r.groups())
+            if rb < 1 or rc not in CANDIDATE_CHOICES:
+                raise ValueError(f"config: {name!r}: block >= 1 and C in {CANDIDATE_CHOICES}")
             return cls(rb, rw, 0, rx, "allgather", rc)
         m = _CFG_RE.match(name)
         if m is None:
@@ -224,7 +226,9 @@ def candidates(
 def sampled_candidates(
     bucket: Bucket, arch: str, *, quick: bool = False, top_k_max: int = DEFAULT_TOP_K_MAX
 ) -> list[Config]:
-    """Op ``sampled``: record block x warps x splits x C (see the module docstring).
+    """Op ``sampled``: record block x warps x splits x C (see the module docstring). Spilling
+    tiles are pruned unless every tile spills on ``arch`` (gfx950's AOT report), where all are
+    kept: the spill report is made at C = 64 and cannot tell the tiles apart, a timing can.
 
     Raises:
         ValueError: no C of :data:`shardmax.sampled.CANDIDATE_CHOICES` exceeds ``top_k_max``.
@@ -237,11 +241,14 @@ def sampled_candidates(
     lim = limits_of(arch)
     width = bucket.width
     warps_all = QUICK_SAMPLED_WARPS if quick else lim.num_warps
+    names = {
+        b: VariantKey("sampled_record", dtype=bucket.dtype, block=b).name for b in SAMPLED_BLOCKS
+    }
+    ok_blocks = [b for b in SAMPLED_BLOCKS if _variant_ok(names[b], arch)[0]]
+    if not ok_blocks:  # every tile spills here (gfx950's AOT report): time them all anyway
+        ok_blocks = [b for b in SAMPLED_BLOCKS if names[b] in arch_resources(arch)]
     out: list[Config] = []
-    for block in SAMPLED_BLOCKS:
-        name = VariantKey("sampled_record", dtype=bucket.dtype, block=block).name
-        if not _variant_ok(name, arch)[0]:
-            continue
+    for block in ok_blocks:
         warps = [
             w
             for w in warps_all
@@ -268,6 +275,8 @@ def pruned_report(bucket: Bucket, arch: str) -> list[str]:
         ok, why = _variant_ok(name, arch)
         if not ok:
             notes.append(f"{name}: {why}")
+    if sampled and len(notes) == len(SAMPLED_BLOCKS):
+        return [f"every sampled_record_{bucket.dtype} tile spills on {arch}: all kept"]
     return notes
 
 

@@ -15,6 +15,7 @@ from shardmax.sampled import (
     TOPK_CANDIDATES,
     VerifyResult,
     _empty,
+    check_record_selection,
     finish_gathered,
     local_buffer,
     record_variant,
@@ -68,6 +69,10 @@ def emulate_verify(
     the record variant (its dtype must be the logits'), splits, warps and C instead.
     """
     if selection is not None:
+        from shardmax.validation import SUPPORTED_DTYPES
+
+        if full_logits.dtype in SUPPORTED_DTYPES:  # else validate_sampled_inputs names it
+            check_record_selection(selection.variant, SUPPORTED_DTYPES[full_logits.dtype])
         record_block = None
         record_splits = selection.splits
         candidates = selection.candidates

@@ -127,7 +127,7 @@ def test_top_k_request_falls_back_with_top_k_reason():
     runner, batch = _runner([0.0, 0.8, 0.8], top_k=[V, V, 5])
     d = step_decision(runner, batch, None, allow_temperature=True)
     assert not d
-    assert d.reason == f"top_k[2]=5 != vocab_size={V} (top-k active)"
+    assert d.reason == f"top_k[2]=5 < vocab_size={V} (top-k active)"
 
 
 def test_penalties_on_sampled_request_fall_back():
