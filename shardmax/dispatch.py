@@ -147,7 +147,6 @@ def builtin_default(problem: Problem, target_programs: int = TARGET_PROGRAMS) ->
         launch = {
             "splits": splits,
             "num_warps": 4,
-            "num_stages": 2,
             "candidates": TOPK_CANDIDATES,
             "transport": "allgather",
         }

@@ -55,6 +55,7 @@ def _table(arch: str, op: str) -> dict:
 def test_committed_table_schema(arch, op):
     t = _table(arch, op)
     validate_table(t, f"{arch}/{op}")
+    assert dispatch.load_table(REPO / "generated" / arch / f"{op}.json") == t  # op/arch = path
     assert (t["schema"], t["arch"], t["op"]) == (1, arch, op)
     assert isinstance(t["tuned"], bool)
     assert t["rows"][-1]["match"] == {}
