@@ -354,8 +354,8 @@ def override(**fields: Any) -> Iterator[None]:
     ``variant`` replaces the variant name (``"plain"`` forces the unsharded path); any other
     keyword (``transport``, ``splits``, ``num_warps``, ``num_stages``, ``candidates``) replaces
     that launch parameter. The override applies to every op's selection, so force a variant of
-    one op only inside calls of that op. Forced selections report ``is_tuned=False`` and ``source="override"``. Not
-    thread-safe; every rank must enter the same override.
+    one op only inside calls of that op. Forced selections report ``is_tuned=False`` and
+    ``source="override"``. Not thread-safe; every rank must enter the same override.
     """
     global _override
     unknown = set(fields) - set(_OVERRIDE_FIELDS)

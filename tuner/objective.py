@@ -40,7 +40,7 @@ from shardmax.testing.shards import vllm_shard_ranges
 from shardmax.validation import SUPPORTED_DTYPES
 
 from . import timing
-from .problems import PAD_TO, Bucket
+from .problems import PAD_TO, Bucket, step_cu_num_logits
 from .space import Config
 
 TORCH_DTYPE = {v: k for k, v in SUPPORTED_DTYPES.items()}
@@ -309,13 +309,8 @@ class Runner:
         vargs = None
         if b.op == "verify":
             k = b.k
-            counts = [k + 1] * (b.rows // (k + 1)) + (
-                [b.rows % (k + 1)] if b.rows % (k + 1) else []
-            )
-            cu = [0]
-            for c in counts:
-                cu.append(cu[-1] + c)
-            n = len(counts)
+            cu = step_cu_num_logits(b.rows, k)
+            n = len(cu) - 1
             i32 = torch.int32
             vargs = (
                 torch.randint(0, b.vocab, (b.rows,), generator=gen, dtype=i32).to(dev),

@@ -170,3 +170,13 @@ def buckets(
                         )
                     by_key[b.key] = b
     return sorted(by_key.values())
+
+
+def step_cu_num_logits(rows: int, k: int) -> list[int]:
+    """``cu_num_logits`` of a timed verify step: ``rows`` logits rows as requests of ``k + 1``
+    rows each (the last one shorter when ``k + 1`` does not divide ``rows``)."""
+    counts = [k + 1] * (rows // (k + 1)) + ([rows % (k + 1)] if rows % (k + 1) else [])
+    cu = [0]
+    for c in counts:
+        cu.append(cu[-1] + c)
+    return cu

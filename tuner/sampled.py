@@ -42,7 +42,7 @@ from shardmax.validation import SUPPORTED_DTYPES
 
 from . import timing
 from .objective import Dist, Outcome
-from .problems import PAD_TO, Bucket
+from .problems import PAD_TO, Bucket, step_cu_num_logits
 from .space import Config
 
 TORCH_DTYPE = {v: k for k, v in SUPPORTED_DTYPES.items()}
@@ -202,11 +202,8 @@ class SampledRunner:
         copies = timing.copies_for_cold(nbytes, dev) if self.cold else 1
         xs = [one.to(dev)] + [one.roll(i, dims=1).to(dev) for i in range(1, copies)]
         k = b.k
-        counts = [k + 1] * (b.rows // (k + 1)) + ([b.rows % (k + 1)] if b.rows % (k + 1) else [])
-        cu = [0]
-        for n in counts:
-            cu.append(cu[-1] + n)
-        n = len(counts)
+        cu = step_cu_num_logits(b.rows, k)
+        n = len(cu) - 1
         i32 = torch.int32
         draft = torch.randint(0, b.vocab, (b.rows,), generator=gen, dtype=i32).to(dev)
         cu_t = torch.tensor(cu, dtype=i32, device=dev)
