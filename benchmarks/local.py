@@ -84,7 +84,7 @@ def vllm_unfused_local(x: Any, num_pad: int, vocab_start: int, tp: int, upcast: 
 
 def dispatched_selection(op: str, dtype: str, tp: int, rows: int, width: int, align: int) -> Any:
     """``select(...)``'s answer; the built-in default if the table says ``plain`` (noted)."""
-    from shardmax.dispatch import PLAIN, Problem, Selection, builtin_default, select
+    from shardmax.runtime.dispatch import PLAIN, Problem, Selection, builtin_default, select
 
     problem = Problem(op=op, dtype=dtype, tp=tp, rows=rows, width=width, align=align)
     sel = select(problem)
@@ -195,8 +195,8 @@ def _one_shape(
 ) -> None:
     import torch
 
+    from shardmax.runtime.validation import SUPPORTED_DTYPES
     from shardmax.testing.shards import vllm_shard_ranges
-    from shardmax.validation import SUPPORTED_DTYPES
 
     torch_dtype = {v: k for k, v in SUPPORTED_DTYPES.items()}[dtype_name]
     base = {"dtype": dtype_name, "vocab": vocab, "rows": rows, **common}
@@ -260,8 +260,8 @@ def _one_tp(
     """Every method on one rank's shard ``[rows, width]`` at this TP size."""
     import torch
 
-    from shardmax import kernels
-    from shardmax.dispatch import alignment_of
+    from shardmax.ops.argmax import argmax_pick, shard_keys
+    from shardmax.runtime.dispatch import alignment_of
 
     rows = base["rows"]
     num_pad = width - num_valid
@@ -275,7 +275,6 @@ def _one_tp(
         xs.append(x)
     sel = dispatched_selection("argmax", dtype_name, tp, rows, width, alignment_of(xs[0]))
     warps = int(sel.launch.get("num_warps", 4))
-    stages = int(sel.launch.get("num_stages", 2))
     finish = sel.finish_variant("argmax", tp)
     row = {
         **base,
@@ -295,7 +294,7 @@ def _one_tp(
     }
 
     def keys_of(x: Any) -> Any:
-        return kernels.shard_keys(x, vocab_start, num_valid, sel.variant, sel.splits, warps, stages)
+        return shard_keys(x, vocab_start, num_valid, sel)
 
     # correctness first: never time a wrong kernel without saying so (correct=0 in the row)
     want = torch.argmax(xs[0][:, :num_valid], dim=-1) + vocab_start
@@ -303,14 +302,14 @@ def _one_tp(
     # the gathered layout: all_gather gives [tp*rows, S] (here tp copies of this rank's keys),
     # all_reduce gives [rows, S]
     gathered = keys0.repeat(tp, 1) if (tp > 1 and sel.transport == "allgather") else None
-    ids = kernels.argmax_pick(gathered if gathered is not None else keys0, rows, tp, finish)
+    ids = argmax_pick(gathered if gathered is not None else keys0, rows, tp, finish)
     ok = bool(torch.equal(ids, want))
     if not ok:
         log(f"[local] MISMATCH shardmax {dtype_name} V={base['vocab']} tp={tp} rows={rows}")
 
     def local_step(i: int) -> Any:
         k = keys_of(xs[i])
-        return kernels.argmax_pick(gathered if gathered is not None else k, rows, tp, finish)
+        return argmax_pick(gathered if gathered is not None else k, rows, tp, finish)
 
     def vllm_step(i: int, upcast: bool) -> Any:
         return vllm_unfused_local(xs[i], num_pad, vocab_start, tp, upcast)

@@ -7,7 +7,7 @@ Rows are synthetic next-token distributions ``x_v = -alpha * log(rank_v)`` (Zipf
 LLM next-token distributions) plus small noise, ids shuffled, with ``alpha`` solved per row so
 that the row's entropy at T = 1 hits a target in {0.01 .. 5} nats. Each row is cut into vLLM's
 TP shards (V = 151936, TP 2), every rank keeps its top-C values, and
-:func:`shardmax.reference_nucleus.nucleus_guard` decides (monolithic pipeline: a step of more than
+:func:`shardmax.reference.nucleus.nucleus_guard` decides (monolithic pipeline: a step of more than
 64 logits rows; split pipeline: 64 or fewer). The pass rate is the fraction of rows the sharded
 finish could verify without falling back.
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from shardmax.reference_nucleus import (
+from shardmax.reference.nucleus import (
     GuardReason,
     exact_nucleus_keep,
     nucleus_guard,
@@ -291,7 +291,7 @@ def _split_model_section(cells: list[dict[str, Any]]) -> list[str]:
     lines = [
         "## vLLM's split top-p pipeline (modelled) vs the exact nucleus",
         "",
-        "`shardmax.reference_nucleus.split_pipeline_model_keep`: the split pipeline's ladder "
+        "`shardmax.reference.nucleus.split_pipeline_model_keep`: the split pipeline's ladder "
         "search (5 rounds x 8 geometric pivots, research §1.1) in fp64 -- its structure, not "
         "vLLM's code or rounding. Differs = rows where the search does not converge and keeps a "
         "superset of the exact nucleus (vLLM's own answer then differs from the exact one). "

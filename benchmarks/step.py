@@ -5,7 +5,7 @@ Every rank holds its vLLM shard ``[rows, W]`` of the same seeded full logits ``[
 
 ``argmax/sharded_allgather``, ``argmax/sharded_allreduce``
     ``shardmax.vocab_parallel_argmax(..., group=<NCCL group>)`` with the dispatcher's variant
-    and launch but the transport forced (``shardmax.ops._selection`` patched in this process);
+    and launch but the transport forced (``shardmax.runtime.dispatch.override`` in this process);
     ``dispatched=1`` marks the transport ``select(...)`` picks.
 ``verify/sharded_allgather``, ``verify/sharded_allreduce``
     ``shardmax.sharded_greedy_verify(...)`` the same way, on a vLLM-shaped batch (K = 3).
@@ -25,7 +25,7 @@ Every rank holds its vLLM shard ``[rows, W]`` of the same seeded full logits ``[
     ``shardmax.sharded_verify(..., mode="fast")`` on the same batch with temperature 1.0 on
     every request: one all_gather of 24-byte records per row and rank, then the finish kernel.
     ``flag_rate`` = fraction of requests returned with ``fallback`` (eager check), checked
-    ``==`` :func:`shardmax.reference_sampled.verify_sampled` on every other request.
+    ``==`` :func:`shardmax.reference.sampled.verify_sampled` on every other request.
 ``sampled/plain``
     all_gather of the full padded logits, then the same sampled kernels on the full logits
     (one rank's records + finish): the unsharded step with the same arithmetic.
@@ -35,11 +35,11 @@ Every rank holds its vLLM shard ``[rows, W]`` of the same seeded full logits ``[
 ``sampled/sharded_strict_eager``, ``sampled/sharded_strict_eager_hostread``, ``sampled/plain_eager``
     the strict and plain sampled steps called eagerly, as vLLM 0.32's V2 runner calls
     ``sample`` (verification is not graph-captured there) and as the plug-in calls them (value
-    checks off: ``shardmax.validation.value_checks(False)``): mean wall time per call over a fixed
+    checks off: ``shardmax.runtime.validation.value_checks(False)``): mean wall time per call over a fixed
     number of calls on every rank (MAX over ranks), ``_hostread`` adding the plug-in's
     ``bool(fallback.any())`` after every call -- the device sync that decides a native re-run.
 ``sampled/sharded_strict``, ``sampled_nucleus/sharded_strict``
-    ``mode="strict"``: vLLM's acceptance LSE rebuilt bit for bit (:mod:`shardmax.strict`); the
+    ``mode="strict"``: vLLM's acceptance LSE rebuilt bit for bit (:mod:`shardmax.ops.strict`); the
     same all_gather also carries vLLM's per-8192-block statistics of each rank's whole blocks
     and the raw values of the block its shard edge cuts. ``logits_processed`` as vLLM's chunk
     gate decides it: False for the temperature-1.0 batch (vLLM verifies the raw logits), True
@@ -102,7 +102,7 @@ def wire_bytes_per_rank(
     ``vllm_unfused``: ``8 * rows`` (an fp32 (value, id) pair per row);
     ``floor_allreduce_int64``: ``8 * rows``;
     ``sharded_fast`` (sampled verification): ``24 * splits * rows`` (one fp32-Gumbel record per
-    row and record split, :func:`shardmax.sampled.record_launch`);
+    row and record split, :func:`shardmax.ops.sampled.record_launch`);
     ``sharded_nucleus`` (+ top-k / top-p): ``(32 + 8 * C) * splits * rows`` (the record gains
     the split's smallest finite value; each record split sends its top-C candidate keys,
     ``C = candidates``).
@@ -126,11 +126,11 @@ def wire_bytes_per_rank(
 
 def strict_extra_bytes(rows: int, vocab: int, tp: int, elem_size: int) -> int:
     """Bytes strict mode adds per rank to the sampled all_gather (vLLM's layout of the shards,
-    :func:`shardmax.strict.extras_words`): 8 per whole local 8192-block and row + the raw pieces
+    :func:`shardmax.ops.strict.extras_words`): 8 per whole local 8192-block and row + the raw pieces
     of cut blocks in the logits' dtype."""
     import torch
 
-    from shardmax.strict import extras_words, plan
+    from shardmax.ops.strict import extras_words, plan
     from shardmax.testing.shards import default_pad_to, vllm_shard_ranges
 
     geometry = [(s, n) for s, n, _ in vllm_shard_ranges(vocab, tp, default_pad_to(vocab, tp))]
@@ -202,19 +202,18 @@ def make_verify_batch(target: Any, k: int, vocab: int, seed: int) -> Any:
 
 @contextlib.contextmanager
 def forced_selection(sel: Any) -> Iterator[None]:
-    """Make the public ops of this process use ``sel`` (patches ``shardmax.ops._selection``)."""
-    import shardmax.ops as ops
+    """Make the public ops of this process use ``sel`` (``shardmax.runtime.dispatch.override``
+    of its variant and launch parameters)."""
+    from shardmax.runtime.dispatch import override
 
-    orig = ops._selection
-    ops._selection = lambda op, logits, tp: sel  # type: ignore[assignment]
-    try:
+    launch = {k: v for k, v in sel.launch.items() if k in ("transport", "splits", "num_warps",
+                                                          "num_stages")}  # fmt: skip
+    with override(variant=sel.variant, **launch):
         yield
-    finally:
-        ops._selection = orig  # type: ignore[assignment]
 
 
 def with_transport(sel: Any, transport: str) -> Any:
-    from shardmax.dispatch import Selection
+    from shardmax.runtime.dispatch import Selection
 
     launch = {**sel.launch, "transport": transport}
     return Selection(sel.variant, launch, sel.is_tuned, f"{sel.source} [transport={transport}]")
@@ -330,7 +329,7 @@ class _StepBench:
     ) -> None:
         import torch.distributed as dist
 
-        from shardmax.collectives import TorchDistributed
+        from shardmax.runtime.collectives import TorchDistributed
         from shardmax.testing.shards import vllm_shard_ranges
 
         self.rank, self.world, self.dev, self.plan = rank, world, dev, plan
@@ -373,9 +372,10 @@ class _StepBench:
 
         import shardmax
         from benchmarks.local import DTYPE_BYTES, dispatched_selection
-        from shardmax import kernels, reference
-        from shardmax.dispatch import PLAIN, Selection, alignment_of, select
-        from shardmax.validation import SUPPORTED_DTYPES
+        from shardmax import reference
+        from shardmax.ops.greedy import verify_finish
+        from shardmax.runtime.dispatch import PLAIN, Selection, alignment_of, select
+        from shardmax.runtime.validation import SUPPORTED_DTYPES, check_step_batch
 
         plan, dev, tp = self.plan, self.dev, self.world
         torch_dtype = {v: k for k, v in SUPPORTED_DTYPES.items()}[dtype_name]
@@ -402,8 +402,9 @@ class _StepBench:
         batch = make_verify_batch(want_ids, plan.k, plan.vocab, seed=rows)
         vargs, vkw = batch.args(), batch.kwargs()
         want_v = reference.greedy_verify(full, *vargs, **vkw)
-        from shardmax.reference_sampled import verify_sampled
-        from shardmax.sampled import record_launch
+        step_batch = check_step_batch(rows, dev, *vargs, **vkw)
+        from shardmax.ops.sampled import record_launch
+        from shardmax.reference.sampled import verify_sampled
 
         temps = torch.full(
             (batch.seed.shape[0],), SAMPLED_TEMPERATURE, dtype=torch.float32, device=dev
@@ -422,7 +423,7 @@ class _StepBench:
         align = alignment_of(xs[0])
         sels = {}
         for op in ("argmax", "verify"):
-            from shardmax.dispatch import Problem
+            from shardmax.runtime.dispatch import Problem
 
             raw = select(Problem(op, dtype_name, tp, rows, width, align))
             sel = dispatched_selection(op, dtype_name, tp, rows, width, align)
@@ -492,10 +493,7 @@ class _StepBench:
         def plain_verify(i: int) -> Any:
             ids = torch.argmax(plain_full(xs[i]), dim=-1)
             keys = (0xFFFFFFFF - ids).view(-1, 1)  # the packed key of an id (value word 0)
-            d, cu, pos, idx, _exp, seed, k = vargs
-            return kernels.verify_finish(
-                keys, 1, finish, d, cu, pos, idx, seed, k, None, None, None
-            )
+            return verify_finish(keys, 1, finish, step_batch)
 
         self._path(plain_verify, same_verify, copies,
                    {**base, "op": "verify", "path": "plain", "variant": f"plain+{finish}",
@@ -505,7 +503,7 @@ class _StepBench:
         # ---- sampled verification (temperature 1.0 everywhere), fast mode vs gather + same
         # kernels; "sampled" = temperature only, "sampled_nucleus" = + top-k 20 and top-p 0.95
         flagged: list[float] = []
-        launch = record_launch(xs[0], tp)  # what sharded_verify selects for this step
+        launch = record_launch(xs[0].dtype, tp, rows, width)  # what sharded_verify selects
         for op, extra, want_x in (("sampled", {}, want_s), ("sampled_nucleus", nucleus_kw, want_n)):
 
             def same_sampled(got: Any, want_x: Any = want_x) -> bool:
@@ -559,7 +557,7 @@ class _StepBench:
                            flag_rate=lambda: flagged[0] if flagged else "")  # fmt: skip
 
         # ---- eager calls (vLLM's V2 runner does not capture verification) and the host read
-        from shardmax.validation import value_checks
+        from shardmax.runtime.validation import value_checks
 
         def strict_call(i: int) -> Any:
             with value_checks(False):  # as the vLLM plug-in calls it (no value-check syncs)

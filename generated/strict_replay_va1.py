@@ -113,9 +113,16 @@ def vllm_temperature(x, t):
 def fill_block(dst, value, BLOCK: tl.constexpr, COPY: tl.constexpr):
     """``dst[0:BLOCK] = value`` in ``COPY``-wide stores: a shape other than the block's, so these
     stores never join the block load's layout group (Triton's coalescing takes the widest vector
-    of the memory operations of one shape)."""
+    of the memory operations of one shape).
+
+    Ends with a block barrier. The caller then scatters values into the same block with stores
+    whose lane -> address mapping differs from the fill's, so without the barrier a thread's value
+    can land before another thread's fill of that address and be overwritten (a write-write race
+    inside the program: seen on the H200, invisible to the interpreter, which runs lanes in
+    order)."""
     for off in tl.static_range(0, BLOCK, COPY):
         tl.store(dst + off + tl.arange(0, COPY), tl.full([COPY], value, tl.float32).to(dst.dtype.element_ty))
+    tl.debug_barrier()
 
 
 @triton.jit(do_not_specialize=["stride_row"])

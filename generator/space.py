@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardmax.variants import DTYPES, TRANSPORTS, UNROLLED_TP, VariantKey
+from shardmax.runtime.variants import DTYPES, TRANSPORTS, UNROLLED_TP, VariantKey
 
 BLOCKS = (1024, 2048, 4096, 8192)
 """Register-tile widths of the local stage (elements per program and loop step)."""
@@ -79,6 +79,7 @@ def sampled_variants() -> Iterator[VariantKey]:
         for block in SAMPLED_BLOCKS:
             yield VariantKey("sampled_record", dtype=dtype, block=block)
     yield VariantKey("sampled_merge")
+    yield VariantKey("row_params")
     for tp in (*(str(t) for t in UNROLLED_TP), "n"):
         yield VariantKey("sampled_finish", tp=tp, transport="allgather")
 
@@ -108,6 +109,7 @@ TEMPLATE_OF_FAMILY = {
     "sampled_record": "sampled_record.py.j2",
     "sampled_finish": "sampled_finish.py.j2",
     "sampled_merge": "sampled_merge.py.j2",
+    "row_params": "row_params.py.j2",
     "block_stats": "block_stats.py.j2",
     "strict_rebuild": "strict_rebuild.py.j2",
     "strict_replay": "strict_replay.py.j2",
@@ -128,7 +130,7 @@ def template_context(key: VariantKey) -> dict[str, object]:
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align)
     elif key.family == "strict_replay":
         ctx.update(align=key.align)
-    elif key.family not in ("sampled_merge", "strict_lse"):
+    elif key.family not in ("sampled_merge", "row_params", "strict_lse"):
         ctx.update(
             transport=key.transport,
             tp=key.tp,

@@ -199,7 +199,7 @@ esac
 
 stamp "dispatcher with the new tables"
 SHARDMAX_TABLES_DIR=$TABLES python3 - <<'PY'
-from shardmax.dispatch import Problem, select
+from shardmax.runtime.dispatch import Problem, select
 for op in ("argmax", "verify", "sampled"):
     for tp, w in ((4, 50016), (2, 100032), (1, 200064)):
         s = select(Problem(op, "bf16", tp, 96, w, 16))

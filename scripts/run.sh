@@ -35,7 +35,7 @@ fi
 
 echo "== dispatcher: what a serving process would launch"
 python - <<'PY'
-from shardmax.dispatch import Problem, detect_arch, select
+from shardmax.runtime.dispatch import Problem, detect_arch, select
 arch = detect_arch()
 print(f"arch: {arch or 'none (CPU: built-in portable default)'}")
 for op in ("argmax", "verify", "sampled"):

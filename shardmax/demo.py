@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:  # x / T on the greedy rows' T = 0 lanes, discarded by a where: numpy warns
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton")
     from shardmax import reference
-    from shardmax.dispatch import Problem, alignment_of, select
+    from shardmax.runtime.dispatch import Problem, alignment_of, select
     from shardmax.testing import (
         adversarial_logits,
         emulate_greedy_verify,
@@ -136,8 +136,8 @@ def _sampled_demo(
 ) -> bool:
     """A few sampled requests (temperature 0.7 / 1.0 / 1.3 next to greedy ones) verified by
     every emulated rank in strict and in fast mode, checked against the sampled reference."""
-    from shardmax.reference_sampled import verify_sampled
-    from shardmax.strict import extras_words, plan
+    from shardmax.ops.strict import extras_words, plan
+    from shardmax.reference.sampled import verify_sampled
     from shardmax.testing import emulate_verify, random_verify_batch, shard_like_vllm
 
     reqs = max(1, min(args.reqs, 6))

@@ -37,7 +37,7 @@ Synthetic acceptance (``synthetic_conditional_rates`` set) is allowed: the shard
 implements it.
 
 ``allow_top_k=True`` (with ``allow_temperature``) also admits top-k requests with ``k`` below
-:data:`shardmax.sampled.TOPK_CANDIDATES` (fast mode runs them sharded and flags rows at an
+:data:`shardmax.ops.sampled.TOPK_CANDIDATES` (fast mode runs them sharded and flags rows at an
 unresolved top-k boundary); the vLLM plug-in does not pass it yet.
 
 ``allow_temperature=True`` is for callers that verify with :func:`shardmax.sharded_verify`
@@ -125,9 +125,9 @@ def can_shard_verify(
         allow_top_k: with ``allow_temperature``, also accept top-k requests whose ``k`` fits the
             step's candidates (``0 < k < candidates``; a top-k on a greedy request is ignored,
             as vLLM ignores it). Larger ``k`` is refused with a reason.
-        candidates: the step's C, ``shardmax.sampled.record_launch(local_logits, tp).candidates``
+        candidates: the step's C, ``shardmax.ops.sampled.record_launch(local_logits, tp).candidates``
             (it depends on the step's shape and the tuned table); None: the built-in default
-            :data:`shardmax.sampled.TOPK_CANDIDATES` (64).
+            :data:`shardmax.ops.sampled.TOPK_CANDIDATES` (64).
 
     Returns:
         :class:`ShardDecision`; e.g. ``ShardDecision(False, "temperature[3]=0.7 != 0
@@ -135,14 +135,14 @@ def can_shard_verify(
 
     Raises:
         ValueError: ``allow_top_k`` without ``allow_temperature``, or ``candidates`` not one of
-            :data:`shardmax.sampled.CANDIDATE_CHOICES`. TypeError: ``candidates`` not an int.
+            :data:`shardmax.ops.sampled.CANDIDATE_CHOICES`. TypeError: ``candidates`` not an int.
             Otherwise nothing for well-typed input: every failing rule is reported in the
             decision.
     """
     if allow_top_k and not allow_temperature:
         raise ValueError("allow_top_k=True needs allow_temperature=True (top-k rows are sampled)")
     if candidates is not None:
-        from shardmax.sampled import CANDIDATE_CHOICES
+        from shardmax.ops.sampled import CANDIDATE_CHOICES
 
         if not isinstance(candidates, int) or isinstance(candidates, bool):
             raise TypeError(f"candidates: expected an int, got {type(candidates).__name__}")
@@ -156,7 +156,7 @@ def can_shard_verify(
         if not (t > 0.0 and math.isfinite(t)):  # NaN, inf, negative
             return _no(f"temperature[{i}]={t} is not a finite value >= 0")
     if top_k is not None:
-        from shardmax.sampled import TOPK_CANDIDATES
+        from shardmax.ops.sampled import TOPK_CANDIDATES
 
         cap = TOPK_CANDIDATES if candidates is None else candidates
         for i, k in enumerate(top_k):

@@ -13,14 +13,14 @@ import torch
 import shardmax
 from generator.space import BLOCKS, local_variants
 from shardmax import reference
-from shardmax.dispatch import Selection
+from shardmax.runtime.dispatch import Selection
+from shardmax.runtime.variants import parse_name
 from shardmax.testing import (
     ADVERSARIAL_CASES,
     adversarial_logits,
     assert_same_ids,
     emulate_vocab_parallel_argmax,
 )
-from shardmax.variants import parse_name
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LOCAL = [k.name for k in local_variants()]

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 import shardmax
-from shardmax import dispatch, reference
+from shardmax import reference
+from shardmax.runtime import dispatch
 from shardmax.testing import adversarial_logits, random_verify_batch, shard_like_vllm
 from tests._dist import run_ranks
 

@@ -149,7 +149,7 @@ def test_allow_temperature_keeps_other_rules(kwargs, reason):
 
 
 def test_allow_top_k_admits_candidates_sized_k():
-    from shardmax.sampled import TOPK_CANDIDATES
+    from shardmax.ops.sampled import TOPK_CANDIDATES
 
     temps = [0.0, 0.7, 1.0]
     ks = [5000, 20, TOPK_CANDIDATES - 1]  # a top-k on a greedy request is ignored

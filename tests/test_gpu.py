@@ -3,7 +3,7 @@
 1. every generated shard_keys variant x every finish (TP 1/2/3/4/8, both transports) == torch.argmax
    on the adversarial suite at real vocab sizes; 2. every verify finish == the reference;
 3. the public ops through the dispatcher (packaged table for this arch); 4. CUDA-graph capture and
-replay with changing inputs == eager; 5. after ``dispatch.warmup`` a capture compiles nothing.
+replay with changing inputs == eager; 5. after ``shardmax.ops.warmup.warmup`` a capture compiles nothing.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ import torch
 
 import shardmax
 from generator.space import local_variants
-from shardmax import dispatch, reference
-from shardmax.dispatch import Problem, Selection
+from shardmax import reference
+from shardmax.ops.warmup import warmup
+from shardmax.runtime import dispatch
+from shardmax.runtime.dispatch import Problem, Selection
+from shardmax.runtime.variants import parse_name
 from shardmax.testing import (
     ADVERSARIAL_CASES,
     adversarial_logits,
@@ -23,7 +26,6 @@ from shardmax.testing import (
     emulate_vocab_parallel_argmax,
     random_verify_batch,
 )
-from shardmax.variants import parse_name
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -150,7 +152,7 @@ def test_capture_after_warmup_never_compiles() -> None:
         inputs.append((logits, batch))
     problems = [Problem("argmax", "bf16", 1, rows, 50016, 16) for rows in sizes]
     problems += [Problem("verify", "bf16", 1, b.logits.shape[0], 50016, 16) for _, b in inputs]
-    dispatch.warmup(problems, num_speculative_steps=(3,))
+    warmup(problems, num_speculative_steps=(3,))
     before = _compiled()
     for logits, batch in inputs:
         graph = torch.cuda.CUDAGraph()
@@ -173,7 +175,7 @@ def test_sampled_verify_fast_mode_on_gpu(tp: int, fp64: bool, with_topk: bool) -
     0.8/0.95 and min-p 0.05 (and off) per request and 4 record splits per rank. (Temperature division:
     the kernel uses Triton's default fp32 division, as vLLM's temperature kernel does; a
     mismatch here on a sampled row points at the reference's torch division.)"""
-    from shardmax.reference_sampled import verify_sampled
+    from shardmax.reference.sampled import verify_sampled
     from shardmax.testing import emulate_verify
 
     gen = torch.Generator().manual_seed(tp)
@@ -212,8 +214,8 @@ def test_sampled_verify_every_candidate_count_on_gpu(c: int) -> None:
     boundaries and nuclei are decidable): top-k ``C - 1`` runs sharded, top-k ``C`` comes back
     TOPK_CAPACITY, top-p 0.9 / 0.95 rows ride along; every request not flagged == the reference
     on the GPU."""
-    from shardmax.reference_sampled import verify_sampled
-    from shardmax.sampled import FallbackReason
+    from shardmax.ops.sampled import FallbackReason
+    from shardmax.reference.sampled import verify_sampled
     from shardmax.testing import emulate_verify
 
     vocab = 151936
@@ -257,14 +259,9 @@ def test_record_candidates_on_gpu(dtype: torch.dtype, splits: int, c: int) -> No
     exact in any rounding (1, 0.5, 2; 0 = greedy: ``EMPTY_KEY``), planted ties across the C-th
     value, an all -inf row, a row with 10 finite values and padding columns that would win if
     read."""
-    from shardmax.keys import EMPTY_KEY
-    from shardmax.sampled import (
-        record_variant,
-        record_words,
-        row_params,
-        sampled_records,
-    )
-    from tests.test_sampled_verify import _split_top_c
+    from shardmax.ops.sampled import record_variant, record_words
+    from shardmax.runtime.keys import EMPTY_KEY
+    from tests.test_sampled_verify import _split_top_c, record_buffer
 
     gen = torch.Generator().manual_seed(3)
     rows, width, num_valid, vocab_start, block = 5, 100032, 100000, 100032, 2048
@@ -277,13 +274,8 @@ def test_record_candidates_on_gpu(dtype: torch.dtype, splits: int, c: int) -> No
     raw[2] = float("-inf")
     raw[2, few] = torch.randn(10, generator=gen).to(dtype)
     temps = torch.tensor([1.0, 0.5, 2.0, 0.0, 0.5])
-    cu = torch.arange(rows + 1, dtype=torch.int32)
-    z = torch.zeros(rows, dtype=torch.int64)
-    params = row_params(z.to(DEV), cu.to(DEV), z.to(DEV), torch.arange(rows, dtype=torch.int32,
-                        device=DEV), temps.to(DEV), torch.arange(rows, device=DEV))  # fmt: skip
-    buf = sampled_records(raw.to(DEV), vocab_start, num_valid, params,
-                          record_variant(dtype, block), False, splits=splits,
-                          with_candidates=True, candidates=c)  # fmt: skip
+    buf = record_buffer(raw.to(DEV), vocab_start, num_valid, temps, record_variant(dtype, block),
+                        splits, c)  # fmt: skip
     n_rec = splits * rows * (record_words(False) + 1)
     got = buf[n_rec:].view(splits * rows, c).cpu()
     x = raw.float() / torch.where(temps == 0, 1.0, temps)[:, None]

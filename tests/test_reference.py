@@ -7,7 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-from shardmax import _rand
 from shardmax.reference import (
     argmax,
     argmax_of_shards,
@@ -18,6 +17,7 @@ from shardmax.reference import (
     synthetic_uniform,
     unconditional_to_conditional_rates,
 )
+from shardmax.runtime import rand as _rand
 from shardmax.testing import adversarial_logits, assert_same_ids, shard_like_vllm
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from shardmax.reference_nucleus import (
+from shardmax.reference.nucleus import (
     GuardReason,
     candidates_of,
     exact_nucleus_keep,
@@ -187,8 +187,9 @@ def test_sampled_merge_keeps_the_exact_nucleus(rows_in_step: int) -> None:
     """The ``sampled_merge`` kernel (merge + kept count + guard of the sharded finish), one rank:
     on every row it calls safe, the kept count is the exact nucleus size (after min-p and top-k).
     ``rows_in_step`` switches the convergence rule between vLLM's split and monolithic pipeline."""
-    from shardmax.keys import pack_keys
-    from shardmax.sampled import merge_candidates
+    from shardmax.ops.sampled import merge_candidates
+    from shardmax.runtime.keys import pack_keys
+    from shardmax.runtime.validation import check_step_batch
 
     c, vocab = 64, 3000
     x = _zipf_rows(40, vocab, [0.8, 1.1, 1.5, 2.0, 3.0], seed=rows_in_step)
@@ -206,12 +207,19 @@ def test_sampled_merge_keeps_the_exact_nucleus(rows_in_step: int) -> None:
     words[:, 1] = _pack_pair(m, s)
     words[:, 3] = _pack_pair(x.min(dim=1).values, torch.zeros(n))
     gathered = torch.cat([words.view(-1), cand.view(-1)]).view(1, -1)
-    cu = torch.arange(n + 1, dtype=torch.int32)
-    merged, keep, unsafe = merge_candidates(
-        gathered, 1, n, 4, cu, torch.arange(n, dtype=torch.int32), torch.ones(n), top_k,
-        top_p.double(), min_p, vocab=vocab, rows_in_step=rows_in_step,
+    batch = check_step_batch(
+        n, x.device, torch.zeros(n, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32),
+        torch.zeros(n, dtype=torch.int64), torch.arange(n, dtype=torch.int32),
+        torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int64), 1,
+        temperature=torch.ones(n), top_k=top_k, top_p=top_p, min_p=min_p,
     )  # fmt: skip
-    assert keep is not None and unsafe is not None
+    merged = torch.empty((n, c), dtype=torch.int64)
+    keep = torch.empty(n, dtype=torch.int32)
+    unsafe = torch.empty(n, dtype=torch.int8)
+    merge_candidates(
+        gathered, 1, n, 4, torch.arange(n), batch, (merged, keep, unsafe), vocab=vocab,
+        candidates=c, rows_in_step=rows_in_step,
+    )  # fmt: skip
     assert torch.equal(merged, cand)  # one part: its whole list is the exact prefix
     want = exact_nucleus_keep(x, top_p, top_k, min_p).sum(dim=1)
     safe = unsafe == 0
@@ -223,7 +231,7 @@ def test_split_pipeline_model() -> None:
     """The modelled split top-p search: a peaked row converges to the exact nucleus; a flat row
     (every probability on the ladder's end point) never converges and keeps everything, a
     superset the guard must not pass."""
-    from shardmax.reference_nucleus import split_pipeline_model_keep
+    from shardmax.reference.nucleus import split_pipeline_model_keep
 
     x = _zipf_rows(1, 3000, [1.5], seed=3)[0]
     keep, converged = split_pipeline_model_keep(x, 0.9)

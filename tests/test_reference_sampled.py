@@ -1,4 +1,4 @@
-"""Reference of vLLM's non-greedy verification for one-hot drafts (shardmax.reference_sampled).
+"""Reference of vLLM's non-greedy verification for one-hot drafts (shardmax.reference.sampled).
 
 Run with ``TRITON_INTERPRET=1`` on CPU (tests/conftest.py sets it when no GPU is present): the
 Gumbel noise, ``u`` and ``log u`` come from Triton helpers.
@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shardmax import _gumbel
 from shardmax.reference import greedy_verify, rejection_sample_greedy, synthetic_uniform
-from shardmax.reference_sampled import (
+from shardmax.reference.sampled import (
     apply_temperature,
     block_lse,
     gumbel_argmax,
@@ -27,6 +26,7 @@ from shardmax.reference_sampled import (
     top_k_mask,
     verify_sampled,
 )
+from shardmax.runtime import gumbel as _gumbel
 from shardmax.testing import VerifyBatch, random_verify_batch
 
 pytestmark = pytest.mark.skipif(

@@ -20,11 +20,9 @@ from shardmax.tuner.sampled import REQUEST_KINDS, SampledRunner
 from shardmax.tuner.space import DEFAULT_TOP_K_MAX, Config, candidates, default_config
 
 import shardmax
-import shardmax.dispatch as dispatch
+import shardmax.runtime.dispatch as dispatch
 import shardmax.testing.emulate_sampled as emulate_sampled
-from shardmax.dispatch import Problem, validate_table
-from shardmax.reference_sampled import verify_sampled
-from shardmax.sampled import (
+from shardmax.ops.sampled import (
     CANDIDATE_CHOICES,
     TOPK_CANDIDATES,
     FallbackReason,
@@ -32,6 +30,9 @@ from shardmax.sampled import (
     record_launch,
     selection_groups,
 )
+from shardmax.ops.warmup import warmup
+from shardmax.reference.sampled import verify_sampled
+from shardmax.runtime.dispatch import Problem, validate_table
 from shardmax.testing import random_verify_batch
 
 pytestmark = pytest.mark.skipif(
@@ -67,8 +68,7 @@ def test_builtin_default_and_cpu_selection():
     gpu = dispatch.builtin_default(Problem("sampled", "bf16", 2, 1, 100032, 16))
     assert (gpu.splits, gpu.candidates) == (16, TOPK_CANDIDATES)  # >= 2 tiles per split
     assert dispatch.builtin_default(Problem("sampled", "bf16", 2, 512, 100032, 16)).splits == 1
-    x = torch.zeros(3, 1504, dtype=torch.bfloat16)
-    launch = record_launch(x, 2)
+    launch = record_launch(torch.bfloat16, 2, 3, 1504)
     assert launch.variant == "sampled_record_bf16_b2048" and launch.candidates == 64
     assert (candidate_capacity(64), selection_groups(64)) == (256, 128)
 
@@ -117,9 +117,11 @@ def test_sampled_table_validation(row, msg):
 
 
 def test_warmup_launches_the_record_kernel():
-    names = dispatch.warmup([Problem("sampled", "bf16", 2, 2, 1504, 16)], device="cpu")
+    names = warmup(
+        [Problem("sampled", "bf16", 2, 2, 1504, 16)], num_speculative_steps=(3,), device="cpu"
+    )
     v = "sampled_record_bf16_b2048"
-    assert names == [v, f"{v}[C=64]", f"{v}[fp64]", f"{v}[fp64,C=64]"]
+    assert names == [f"{v}[K=3]", f"{v}[K=3,C]", f"{v}[K=3,fp64]", f"{v}[K=3,fp64,C]"]
 
 
 # ------------------------------------------------------------------------------ 2. public op
@@ -218,12 +220,14 @@ def test_sampled_gate_accepts_and_rejects(monkeypatch):
     assert len(REQUEST_KINDS) == 10
     assert runner.gate(Config(1024, 4, 0, 2, "allgather", 32), seed=3) is None
     assert runner.gate(Config(2048, 4, 0, 1, "allgather", 128), seed=4) is None
-    real = emulate_sampled.finish_gathered
+    import shardmax.ops.sampled as sm
 
-    def stale_c(*args, **kwargs):  # the finish merges as if C were 64, whatever the records hold
+    real = sm.merge_candidates
+
+    def stale_c(*args, **kwargs):  # the merge reads as if C were 64, whatever the records hold
         return real(*args, **{**kwargs, "candidates": 64})
 
-    monkeypatch.setattr(emulate_sampled, "finish_gathered", stale_c)
+    monkeypatch.setattr(sm, "merge_candidates", stale_c)
     why = runner.gate(Config(1024, 4, 0, 1, "allgather", 128), seed=3)
     assert why is not None and ("differ" in why or "TOPK_CAPACITY" in why or "error" in why)
     with pytest.raises(ValueError, match="one GPU"):
@@ -307,10 +311,16 @@ def test_launch_is_keyed_by_width_not_row_stride(tmp_path, monkeypatch):
     _write(tmp_path, "sm90", "sampled", table)
     monkeypatch.setenv("SHARDMAX_TABLES_DIR", str(tmp_path))
     monkeypatch.setattr(dispatch, "detect_arch", lambda: "sm90")
-    dense = torch.zeros(3, 2048, dtype=torch.bfloat16)
-    strided = torch.zeros(3, 2049, dtype=torch.bfloat16)[:, :2048]
-    assert record_launch(dense, 2) == record_launch(strided, 2)
-    assert record_launch(strided, 2).candidates == 128
+    from shardmax.ops.sampled import SampledVerifyPlan
+    from shardmax.runtime.geometry import Geometry
+    from shardmax.runtime.shard import ShardContext
+    from shardmax.testing.emulate import EmulatedRank
+
+    geo = Geometry(((0, 2048), (2048, 2000)), 2048, torch.bfloat16)
+    ctx = ShardContext(EmulatedRank(0, 2), geo, 0, torch.device("cpu"))
+    dense, strided = SampledVerifyPlan(ctx, 3, 2048), SampledVerifyPlan(ctx, 3, 2049)
+    assert dense.launch == strided.launch and dense.n_words == strided.n_words
+    assert strided.launch.candidates == 128
 
 
 def test_wrong_variant_for_sampled_verification_is_refused():

@@ -1,7 +1,7 @@
 """Sampled verification (compact "fast" mode) vs the plain-torch reference, emulated TP 1-8.
 
 Every non-fallback request must give ``==`` sampled / num_sampled / num_rejected against
-:func:`shardmax.reference_sampled.verify_sampled`; greedy requests must match
+:func:`shardmax.reference.sampled.verify_sampled`; greedy requests must match
 :func:`shardmax.reference.greedy_verify` and are never flagged; rows built within an ulp of the
 acceptance threshold must be flagged. Sections: 1. every generated variant on mixed batches
 (temperatures 0.5/0.7/1.0/1.3 + greedy, fp32/fp64 Gumbel, placeholders, prefill, dtypes,
@@ -18,11 +18,11 @@ import torch
 import shardmax
 from generator.space import SAMPLED_BLOCKS
 from shardmax import reference
-from shardmax._gumbel import acceptance_uniform_triton
-from shardmax.reference_sampled import apply_temperature, verify_sampled
-from shardmax.sampled import FallbackReason
+from shardmax.ops.sampled import FallbackReason
+from shardmax.reference.sampled import apply_temperature, verify_sampled
+from shardmax.runtime.gumbel import acceptance_uniform_triton
+from shardmax.runtime.variants import DTYPES
 from shardmax.testing import emulate_verify, random_verify_batch
-from shardmax.variants import DTYPES
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TEMPS = (0.5, 0.7, 1.0, 1.3, 0.0)
@@ -109,7 +109,7 @@ def test_record_splits_are_virtual_ranks(tp: int, splits: int, fp64: bool) -> No
 
 
 def test_record_splits_rule() -> None:
-    from shardmax.sampled import MAX_RECORD_SPLITS, record_splits
+    from shardmax.ops.sampled import MAX_RECORD_SPLITS, record_splits
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert record_splits(1, 100032, 2048, cpu) == 1  # the interpreter: one program per row
@@ -118,13 +118,14 @@ def test_record_splits_rule() -> None:
     assert record_splits(96, 100032, 2048, cuda) == 2  # about 264 programs in all
     assert record_splits(512, 100032, 2048, cuda) == 1
     assert record_splits(4, 3000, 2048, cuda) == 1  # narrow shard: one tile is all there is
-    with pytest.raises(ValueError, match="splits"):
-        from shardmax.sampled import record_variant, sampled_records
+    from shardmax.ops.sampled import RecordLaunch, SampledVerifyPlan, record_variant
+    from shardmax.testing.emulate import emulated_ranks
 
-        x = torch.zeros(1, 8)
-        p = (torch.zeros(1), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-             torch.zeros(1, dtype=torch.int64))  # fmt: skip
-        sampled_records(x, 0, 8, p, record_variant(torch.float32), False, splits=0)
+    _, ctxs = emulated_ranks(torch.zeros(1, 8), 1)
+    for bad in (0, 33):
+        with pytest.raises(ValueError, match="splits"):
+            launch = RecordLaunch(record_variant(torch.float32), bad, 4, 64, "test")
+            SampledVerifyPlan(ctxs[0], 1, 8, launch=launch)
 
 
 @pytest.mark.parametrize("tp", [2, 3])
@@ -318,7 +319,7 @@ def _split_top_c(
 ):
     """Expected candidates of the record kernel: per split, the top-``c`` packed keys of ``x``
     (value desc, id asc) over its columns, ``EMPTY_KEY`` padding; ``[splits * rows, c]``."""
-    from shardmax.keys import EMPTY_KEY, pack_keys
+    from shardmax.runtime.keys import EMPTY_KEY, pack_keys
 
     C = c
     rows = x.shape[0]
@@ -346,8 +347,8 @@ def test_record_kernel_candidates_are_each_splits_exact_top_c(
     ``x = raw / T`` (ties by lowest id -- bf16 rows are full of ties, planted ties straddle the
     C-th value for every C, -0.0 / +0.0, -inf columns, an all -inf row, a row with 10 finite
     values, padding columns that would win if read); greedy rows send ``EMPTY_KEY``."""
-    from shardmax.keys import EMPTY_KEY
-    from shardmax.sampled import record_variant, record_words, row_params, sampled_records
+    from shardmax.ops.sampled import record_variant, record_words
+    from shardmax.runtime.keys import EMPTY_KEY
 
     gen = torch.Generator().manual_seed(splits)
     rows, width, num_valid, vocab_start, block = 6, 5000, 4900, 1000, 1024
@@ -363,12 +364,8 @@ def test_record_kernel_candidates_are_each_splits_exact_top_c(
     raw[5] = float("-inf")
     raw[5, few] = torch.randn(10, generator=gen).to(raw.dtype)
     temps = torch.tensor([1.0, 0.7, 1.3, 0.5, 0.0, 1.0])
-    cu = torch.arange(rows + 1, dtype=torch.int32)
-    params = row_params(torch.zeros(rows, dtype=torch.int64), cu, torch.zeros(rows, dtype=torch.int64),
-                        torch.arange(rows, dtype=torch.int32), temps,
-                        torch.arange(rows, dtype=torch.int64))  # fmt: skip
-    buf = sampled_records(raw, vocab_start, num_valid, params, record_variant(raw.dtype, block),
-                          False, splits=splits, with_candidates=True, candidates=C)  # fmt: skip
+    buf = record_buffer(raw, vocab_start, num_valid, temps, record_variant(raw.dtype, block),
+                        splits, C)  # fmt: skip
     n_rec = splits * rows * (record_words(False) + 1)
     got = buf[n_rec:].view(splits * rows, C)
     x = raw.float() / torch.where(temps == 0, 1.0, temps)[:, None]
@@ -384,7 +381,7 @@ def test_candidate_overflow_falls_back() -> None:
     threshold, the split's candidates are unknown, and the top-k request on that row falls back
     (TOPK_BOUNDARY), as does the top-p request on another such row (NUCLEUS_NOT_COVERED); the
     other requests still match the reference."""
-    from shardmax.sampled import CANDIDATE_CAPACITY, SELECTION_GROUPS
+    from shardmax.ops.sampled import CANDIDATE_CAPACITY, SELECTION_GROUPS
 
     block, width = 1024, 40 * 1024
     n_max = width // SELECTION_GROUPS
@@ -499,7 +496,7 @@ def test_top_p_guard_falls_back() -> None:
 def test_fallback_reason_codes_match_the_guard() -> None:
     """The nucleus codes of :class:`FallbackReason` are :class:`GuardReason`'s (same numbers), so
     the per-request reason can be read with either enum."""
-    from shardmax.reference_nucleus import GuardReason
+    from shardmax.reference.nucleus import GuardReason
 
     for g in GuardReason:
         if g != GuardReason.OK:
@@ -606,3 +603,40 @@ def test_top_k_at_least_vocab_is_off_for_min_p() -> None:
     ok = ~got.fallback
     for g, w in zip(got[:3], want, strict=True):
         assert torch.equal(g[ok], w[ok])
+
+
+def record_buffer(
+    raw: torch.Tensor,
+    vocab_start: int,
+    num_valid: int,
+    temps: torch.Tensor,
+    variant: str,
+    splits: int,
+    candidates: int,
+) -> torch.Tensor:
+    """One rank's record buffer of a candidate step whose every row is a one-row request with
+    temperature ``temps[row]`` (the record kernel's launcher, as a plan calls it)."""
+    from shardmax.ops.sampled import (
+        RecordLaunch,
+        candidate_capacity,
+        record_words,
+        row_params,
+        sampled_records,
+    )
+    from shardmax.runtime.validation import check_step_batch
+
+    rows, dev = raw.shape[0], raw.device
+    i32, i64 = torch.int32, torch.int64
+    batch = check_step_batch(
+        rows, dev, torch.zeros(rows, dtype=i64, device=dev),
+        torch.arange(rows + 1, dtype=i32, device=dev), torch.zeros(rows, dtype=i64, device=dev),
+        torch.arange(rows, dtype=i32, device=dev), torch.zeros(rows, dtype=i32, device=dev),
+        torch.arange(rows, dtype=i64, device=dev), 1, temperature=temps.to(dev),
+    )  # fmt: skip
+    launch = RecordLaunch(variant, splits, 4, candidates, "test")
+    n = splits * rows * (record_words(False) + 1 + candidates)
+    buf = torch.empty(n, dtype=i64, device=dev)
+    scratch = torch.empty((splits * rows, candidate_capacity(candidates)), dtype=i64, device=dev)
+    sampled_records(raw, vocab_start, num_valid, row_params(batch), launch, False, True, buf,
+                    scratch)  # fmt: skip
+    return buf

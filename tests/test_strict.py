@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import shardmax
-from shardmax import strict
-from shardmax.sampled import (
+from shardmax.ops import strict
+from shardmax.ops.sampled import (
     FallbackReason,
     chunk_needs_processing,
     max_chunk_rows,
@@ -110,7 +110,7 @@ def _margin_batch(seed: int, vocab: int = 9001):
     """fp32 logits, every sampled request's first draft within 2 ulps of the threshold."""
     import math
 
-    from shardmax._gumbel import acceptance_uniform_triton
+    from shardmax.runtime.gumbel import acceptance_uniform_triton
 
     b, temps = _batch(seed, vocab, 2, torch.float32, (0.7, 1.0, 1.3), num_reqs=8)
     slots = b.idx_mapping.long()
@@ -207,32 +207,36 @@ def test_strict_errors() -> None:
     with pytest.raises(ValueError, match="logits_processed: False"):
         _emulate(b, temps1, 2, mode="strict", logits_processed=False, top_k=top_k)
     del a
-    # the chunk limit (5 rows > 1 row at V = 2**28) is checked on the step, no 1 GB logits
-    from shardmax.sampled import RowParams, _Checked, strict_step
+    # the chunk limit (5 rows > 1 row at V = 2**28) is checked when the step is planned: no
+    # 1 GB logits (a shard of 16 real columns in a group whose geometry says V = 2**28)
+    from shardmax.ops.sampled import SampledVerifyPlan
+    from shardmax.runtime.geometry import Geometry
+    from shardmax.runtime.shard import ShardContext
+    from shardmax.testing.emulate import EmulatedRank
 
-    chk = _Checked(torch.zeros(5, 10), 0, 10, 10, temps, None)
-    params = RowParams(*(torch.zeros(5) for _ in range(5)))
+    geo = Geometry(((0, 16), (16, 2**28 - 16)), 16, torch.float32)
+    ctx = ShardContext(EmulatedRank(0, 2), geo, 0, torch.device("cpu"))
     with pytest.raises(ValueError, match="exceed one vLLM verification chunk"):
-        strict_step([(0, 2**28)], torch.float32, 2**28, 5, torch.tensor([0]), chk, True, params)
+        SampledVerifyPlan(ctx, 5, 16, mode="strict")
 
 
 def test_strict_models_the_row_stride_of_a_sliced_view(monkeypatch: pytest.MonkeyPatch) -> None:
     """A TP-1 caller passing vLLM's own sliced view (``[:, :V]`` of the padded LM-head output):
     vLLM's row stride is the padded width, and strict mode must model that one, not ``V``."""
-    import shardmax.sampled as sm
+    import shardmax.ops.sampled as sm
 
     b, temps = _batch(8, 10001, 1, torch.bfloat16)  # V % 16 != 0
     padded = torch.zeros(b.logits.shape[0], 10048, dtype=torch.bfloat16)
     padded[:, :10001] = b.logits
     view = padded[:, :10001]
     seen = []
-    real = sm.strict_step
+    real = sm.strict_mod.StrictLayout
 
-    def spy(geometry, dtype, row_stride, *rest):
+    def spy(p, processed, dtype, row_stride, *rest):
         seen.append(row_stride)
-        return real(geometry, dtype, row_stride, *rest)
+        return real(p, processed, dtype, row_stride, *rest)
 
-    monkeypatch.setattr(sm, "strict_step", spy)
+    monkeypatch.setattr(sm.strict_mod, "StrictLayout", spy)
     a = b.args()
     got = shardmax.sharded_verify(view, *a[:5], temps, *a[5:], vocab_start=0, mode="strict",
                                   **b.kwargs())  # fmt: skip

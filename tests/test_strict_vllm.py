@@ -57,8 +57,8 @@ import triton.language as tl  # noqa: E402
 from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils as vrs  # noqa: E402
 
 from shardmax import FallbackReason, strict  # noqa: E402
-from shardmax._gumbel import acceptance_uniform_triton  # noqa: E402
-from shardmax.reference_sampled import top_k_mask  # noqa: E402
+from shardmax.reference.sampled import top_k_mask  # noqa: E402
+from shardmax.runtime.gumbel import acceptance_uniform_triton  # noqa: E402
 from shardmax.testing import emulate_verify, random_verify_batch, shard_like_vllm  # noqa: E402
 from shardmax.testing.shards import default_pad_to  # noqa: E402
 from shardmax.testing.vllm_oracle import vllm_logits, vllm_rejection_sample  # noqa: E402
@@ -288,7 +288,7 @@ def _bits_case(case, device: str) -> None:
         plan, extras, 0, rows, dtype, processed, t_row, tp, width
     )
     if with_topk:  # rows whose processed values are -inf outside their top-k (0: no top-k)
-        from shardmax.keys import pack_keys
+        from shardmax.runtime.keys import pack_keys
 
         k_row = torch.tensor([1, 2, 3, 0, 5, 20, 50, 63], device=device).repeat(rows // 8)
         target = top_k_mask(target, k_row)

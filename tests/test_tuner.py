@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shardmax.tuner import export, space
+from shardmax.tuner import export, objective, space
 from shardmax.tuner.__main__ import main as tuner_main
 from shardmax.tuner.objective import Runner
 from shardmax.tuner.problems import Bucket, buckets, shard_width
@@ -21,10 +21,10 @@ from shardmax.tuner.sampled import SampledRunner
 from shardmax.tuner.space import Config, candidates
 from shardmax.tuner.timing import Timing
 
-import shardmax.dispatch as dispatch
-from shardmax import kernels
-from shardmax.dispatch import Problem, validate_table
-from shardmax.variants import parse_name
+import shardmax.runtime.dispatch as dispatch
+from shardmax.runtime import kernels
+from shardmax.runtime.dispatch import Problem, validate_table
+from shardmax.runtime.variants import parse_name
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -243,13 +243,13 @@ def test_export_tuned_table_resolves(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ sweep
 def test_cpu_sweep_end_to_end(tmp_path, monkeypatch, capsys):
     optuna = pytest.importorskip("optuna")
-    real = kernels.shard_keys
+    real = objective.shard_keys
 
-    def broken(*args, **kwargs):  # a wrong kernel: every launch with 2 splits flips ids
-        keys = real(*args, **kwargs)
-        return keys ^ 1 if kwargs.get("splits") == 2 else keys
+    def broken(logits, vocab_start, num_valid, sel, *args, **kwargs):  # wrong at 2 splits
+        keys = real(logits, vocab_start, num_valid, sel, *args, **kwargs)
+        return keys ^ 1 if sel.splits == 2 else keys
 
-    monkeypatch.setattr(kernels, "shard_keys", broken)
+    monkeypatch.setattr(objective, "shard_keys", broken)
     studies, out = tmp_path / "studies", tmp_path / "out"
     argv = [
         "--op",

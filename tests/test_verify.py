@@ -13,7 +13,7 @@ import torch
 
 import shardmax
 from shardmax import reference
-from shardmax.dispatch import Selection
+from shardmax.runtime.dispatch import Selection
 from shardmax.testing import emulate_greedy_verify, random_verify_batch
 from shardmax.testing.shards import default_pad_to, shard_like_vllm
 

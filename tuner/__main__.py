@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available()
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         os.environ["TRITON_INTERPRET"] = "1"  # before any generated kernel module is imported
-    from shardmax.dispatch import OPS, detect_arch
+    from shardmax.runtime.dispatch import OPS, detect_arch
 
     from . import export
 

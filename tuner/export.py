@@ -13,7 +13,7 @@ Per bucket (design §5 rule 4, aesthetics d2):
    warps, then smaller block, then the name (deterministic);
 4. re-verify the winner with ANOTHER seed and twice the rows; a failure drops it and repeats 3.
 
-Tables match :func:`shardmax.dispatch.validate_table`: rows ordered so that the first match is
+Tables match :func:`shardmax.runtime.dispatch.validate_table`: rows ordered so that the first match is
 the right one (ascending ``rows_le`` inside each (dtype, tp, align, width_le) group, groups by
 ascending width), a catch-all row last; rows of buckets not re-tuned are kept.
 """
@@ -29,7 +29,8 @@ from typing import Any
 
 import triton
 
-from shardmax.dispatch import MAX_SPLITS, PLAIN, TARGET_PROGRAMS, validate_table
+from shardmax.runtime.defaults import MAX_SPLITS, TARGET_PROGRAMS
+from shardmax.runtime.dispatch import PLAIN, validate_table
 
 from .objective import Lockstep
 from .problems import ROW_BUCKETS, Bucket
@@ -71,7 +72,7 @@ def incumbent_of(table: dict[str, Any] | None, bucket: Bucket) -> Config | None:
     """The config the current (tuned) table uses for this bucket's problem, if any."""
     if not table or not table.get("tuned"):
         return None
-    from shardmax.dispatch import Problem, _adapt, _row_matches
+    from shardmax.runtime.dispatch import Problem, _adapt, _row_matches
 
     p = Problem(bucket.op, bucket.dtype, bucket.tp, bucket.rows, bucket.width, bucket.align)
     for row in table["rows"]:
@@ -272,7 +273,7 @@ def order_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def portable_rows(arch: str, op: str) -> list[dict[str, Any]]:
-    """Untuned portable rows: :func:`shardmax.dispatch.builtin_default`'s rule per row bucket
+    """Untuned portable rows: :func:`shardmax.runtime.dispatch.builtin_default`'s rule per row bucket
     (about 2 programs per SM/CU; narrow shards use block 1024), catch-all last."""
     target = 2 * 256 if arch.startswith("gfx") else TARGET_PROGRAMS
 
@@ -318,7 +319,7 @@ def portable_rows(arch: str, op: str) -> list[dict[str, Any]]:
 def _portable_sampled_rows(splits_for: Any) -> list[dict[str, Any]]:
     """Op ``sampled``: the record kernel's built-in rule per row bucket (block 2048, 4 warps,
     C = 64, splits for about 2 programs per SM/CU), catch-all last."""
-    from shardmax.sampled import DEFAULT_RECORD_BLOCK, MAX_RECORD_SPLITS, TOPK_CANDIDATES
+    from shardmax.ops.sampled import DEFAULT_RECORD_BLOCK, MAX_RECORD_SPLITS, TOPK_CANDIDATES
 
     def row(match: dict[str, Any], splits: int) -> dict[str, Any]:
         return {

@@ -25,9 +25,12 @@ from typing import Any, Protocol
 
 import torch
 
-from shardmax import kernels, reference
-from shardmax.collectives import Collective, SingleRank
-from shardmax.dispatch import Selection
+from shardmax import reference
+from shardmax.ops.argmax import argmax_pick, shard_keys
+from shardmax.ops.greedy import verify_finish
+from shardmax.runtime.collectives import Collective, SingleRank
+from shardmax.runtime.dispatch import Selection
+from shardmax.runtime.validation import SUPPORTED_DTYPES, StepBatch, check_step_batch
 from shardmax.testing import (
     ADVERSARIAL_CASES,
     adversarial_logits,
@@ -37,7 +40,6 @@ from shardmax.testing import (
     shard_like_vllm,
 )
 from shardmax.testing.shards import vllm_shard_ranges
-from shardmax.validation import SUPPORTED_DTYPES
 
 from . import timing
 from .problems import PAD_TO, Bucket, step_cu_num_logits
@@ -47,6 +49,16 @@ TORCH_DTYPE = {v: k for k, v in SUPPORTED_DTYPES.items()}
 GATE_ROWS = len(ADVERSARIAL_CASES)
 """One row per adversarial case; export re-verification doubles it with another seed."""
 GATE_REQS = 8
+
+
+def step_batch(vargs: tuple[Any, ...]) -> StepBatch:
+    """The :class:`StepBatch` of a tuner verify tuple ``(draft, cu, pos, idx, seed, K, rates,
+    seq_lens, prefill_len)``."""
+    d, cu, pos, idx, seed, k, rates, seq_lens, prefill = vargs
+    exp = torch.zeros_like(pos, dtype=torch.int32)
+    return check_step_batch(
+        d.shape[0], d.device, d, cu, pos, idx, exp, seed, k, rates, seq_lens, prefill
+    )
 
 
 @dataclass
@@ -89,7 +101,7 @@ class Dist:
         dist.barrier(group=self.group, device_ids=[self.device.index or 0])
 
     def collective(self) -> Collective:
-        from shardmax.collectives import TorchDistributed
+        from shardmax.runtime.collectives import TorchDistributed
 
         return TorchDistributed(self.group)
 
@@ -270,15 +282,7 @@ class Runner:
                 seq_lens=seq_lens,
                 prefill_len=prefill,
             )
-        keys = kernels.shard_keys(
-            local,
-            vocab_start,
-            num_valid,
-            sel.variant,
-            splits=sel.splits,
-            num_warps=int(sel.launch["num_warps"]),
-            num_stages=int(sel.launch["num_stages"]),
-        )
+        keys = shard_keys(local, vocab_start, num_valid, sel)
         if gathered is not None:
             keys = gathered if tp > 1 else keys
         elif tp > 1:
@@ -289,11 +293,8 @@ class Runner:
             )
         op = self.bucket.op
         if vargs is None:
-            return (kernels.argmax_pick(keys, local.shape[0], tp, sel.finish_variant(op, tp)),)
-        d, cu, pos, idx, seed, k, rates, seq_lens, prefill = vargs
-        return kernels.verify_finish(
-            keys, tp, sel.finish_variant(op, tp), d, cu, pos, idx, seed, k, rates, seq_lens, prefill
-        )
+            return (argmax_pick(keys, local.shape[0], tp, sel.finish_variant(op, tp)),)
+        return verify_finish(keys, tp, sel.finish_variant(op, tp), step_batch(vargs))
 
     # ------------------------------------------------------------------ timing
     def _timing_inputs(self) -> dict[str, Any]:
@@ -338,15 +339,7 @@ class Runner:
         xs, vs, nv, vargs = inp["xs"], inp["vocab_start"], inp["num_valid"], inp["vargs"]
         gathered = None
         if self.dist is None and self.tp > 1 and not cfg.is_plain:
-            keys = kernels.shard_keys(
-                xs[0],
-                vs,
-                nv,
-                sel.variant,
-                splits=sel.splits,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-            )
+            keys = shard_keys(xs[0], vs, nv, sel)
             gathered = keys.repeat(self.tp, 1)
         if self.dist is None and self.tp > 1 and cfg.is_plain:
             raise timing.TimingError("plain path with tp > 1 needs --distributed")

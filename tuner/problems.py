@@ -68,7 +68,7 @@ def shard_width(vocab: int, tp: int) -> int:
 
 
 def alignment_of_width(width: int) -> int:
-    """Alignment of a contiguous ``[rows, width]`` tensor (see ``shardmax.dispatch``)."""
+    """Alignment of a contiguous ``[rows, width]`` tensor (see ``shardmax.runtime.dispatch``)."""
     return 16 if width % 16 == 0 else 1
 
 

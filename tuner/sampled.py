@@ -12,7 +12,7 @@ and is not timed (as the greedy ops' single-GPU mode).
    ``C``, top-p 0.95, top-k 20 + top-p 0.8, min-p 0.05, a flat top-p 0.99 row whose nucleus is
    wider than any C, and a peaked top-k 20 + top-p 0.9 request whose boundaries are decidable
    at every C). Rejected unless every request that is not flagged gives ``==`` sampled /
-   num_sampled / num_rejected against :func:`shardmax.reference_sampled.verify_sampled`, greedy
+   num_sampled / num_rejected against :func:`shardmax.reference.sampled.verify_sampled`, greedy
    requests are never flagged, the top-k ``C`` request comes back ``TOPK_CAPACITY`` (when
    ``C < V``) and the top-k ``C - 1`` request never does (so the candidate really ran with its
    C), and the peaked request runs sharded (a config that flags everything is not exact).
@@ -29,16 +29,14 @@ from typing import Any
 
 import torch
 
-from shardmax.dispatch import Selection
-from shardmax.reference_sampled import verify_sampled
-from shardmax.sampled import (
-    FallbackReason,
-    finish_gathered,
-    local_buffer,
-    row_params,
-)
+from shardmax.ops.sampled import FallbackReason, RecordLaunch, SampledVerifyPlan
+from shardmax.reference.sampled import verify_sampled
+from shardmax.runtime.dispatch import Selection
+from shardmax.runtime.geometry import Geometry
+from shardmax.runtime.shard import ShardContext
+from shardmax.runtime.validation import SUPPORTED_DTYPES, check_step_batch
 from shardmax.testing import emulate_verify, random_verify_batch
-from shardmax.validation import SUPPORTED_DTYPES
+from shardmax.testing.shards import vllm_shard_ranges
 
 from . import timing
 from .objective import Dist, Outcome
@@ -83,6 +81,19 @@ PEAK_TOP = 40.0
 PEAK_STEP = 0.25
 """The peaked request's rows: ``PEAK_TOP - PEAK_STEP * i`` at up to 100 random ids (exact in
 bf16 / fp16 / fp32, no ties; gaps far above every guard's resolution), the rest random normal."""
+
+
+class _Repeat:
+    """A rank-0 stand-in group for single-GPU timing: the other ranks' bytes are rank 0's."""
+
+    def __init__(self, tp: int) -> None:
+        self.world_size, self.rank = tp, 0
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+        return t.repeat(self.world_size, 1)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 class SampledRunner:
@@ -206,47 +217,42 @@ class SampledRunner:
         n = len(cu) - 1
         i32 = torch.int32
         draft = torch.randint(0, b.vocab, (b.rows,), generator=gen, dtype=i32).to(dev)
-        cu_t = torch.tensor(cu, dtype=i32, device=dev)
         pos = torch.arange(b.rows, dtype=torch.int64, device=dev)
-        idx = torch.arange(n, dtype=i32, device=dev)
-        seed = torch.randint(0, 2**62, (n,), generator=gen, dtype=torch.int64).to(dev)
-        temp = torch.full((n,), TIMED_SAMPLING["temperature"], dtype=torch.float32, device=dev)
-        top_k = torch.full((n,), int(TIMED_SAMPLING["top_k"]), dtype=torch.int32, device=dev)
-        top_p = torch.full((n,), TIMED_SAMPLING["top_p"], dtype=torch.float64, device=dev)
-        params = row_params(draft, cu_t, pos, idx, temp, seed)
-        num_valid = min(b.width, b.vocab)  # rank 0 of vLLM's layout
+        batch = check_step_batch(
+            b.rows, dev, draft, torch.tensor(cu, dtype=i32, device=dev), pos,
+            torch.arange(n, dtype=i32, device=dev), torch.zeros_like(draft),
+            torch.randint(0, 2**62, (n,), generator=gen, dtype=torch.int64).to(dev), k,
+            temperature=torch.full((n,), TIMED_SAMPLING["temperature"], device=dev),
+            top_k=torch.full((n,), int(TIMED_SAMPLING["top_k"]), dtype=i32, device=dev),
+            top_p=torch.full((n,), TIMED_SAMPLING["top_p"], dtype=torch.float64, device=dev),
+        )  # fmt: skip
+        # rank 0 of vLLM's layout, the other ranks' bytes stood in by rank 0's (one GPU)
+        ranges = tuple((s, n) for s, n, _ in vllm_shard_ranges(b.vocab, self.tp, PAD_TO))
+        geo = Geometry(ranges, b.width, self.dtype)
         self._inputs = {
             "xs": xs,
-            "num_valid": num_valid,
-            "params": params,
-            "finish": (draft, cu_t, pos, idx, temp, seed, k, top_k, top_p),
+            "batch": batch,
+            "ctx": ShardContext(_Repeat(self.tp), geo, 0, dev),
         }
         return self._inputs
 
-    def _local(self, sel: Selection, x: torch.Tensor, inp: dict[str, Any]) -> torch.Tensor:
-        return local_buffer(
-            x, 0, inp["num_valid"], inp["params"], sel.variant, False, sel.splits, True,
-            num_warps=int(sel.launch["num_warps"]), candidates=sel.candidates,
-        )  # fmt: skip
-
-    def _finish(self, sel: Selection, gathered: torch.Tensor, inp: dict[str, Any]) -> Any:
-        draft, cu, pos, idx, temp, seed, k, top_k, top_p = inp["finish"]
-        return finish_gathered(
-            gathered, self.tp, sel.splits, True, self.bucket.vocab, draft, cu, pos, idx, temp,
-            seed, k, top_k, None, None, None, False, top_p, None, None,
-            candidates=sel.candidates,
+    def _plan(self, sel: Selection, inp: dict[str, Any]) -> SampledVerifyPlan:
+        return SampledVerifyPlan(
+            inp["ctx"], self.bucket.rows, self.bucket.width, with_candidates=True,
+            launch=RecordLaunch.of(sel),
         )  # fmt: skip
 
     def bench(self, cfg: Config, *, replays: int | None = None) -> timing.Timing:
         b = self.bucket
         sel = cfg.selection(b.dtype, b.align)
         inp = self._timing_inputs()
-        xs = inp["xs"]
-        gathered = self._local(sel, xs[0], inp).repeat(self.tp, 1)
+        xs, batch = inp["xs"], inp["batch"]
+        plan = self._plan(sel, inp)
+        gathered = plan.local(xs[0], batch).repeat(self.tp, 1)
 
         def step(i: int) -> Any:
-            self._local(sel, xs[i], inp)
-            return self._finish(sel, gathered, inp)
+            plan.local(xs[i], batch)
+            return plan.finish(gathered, batch)
 
         return timing.measure(
             step,

@@ -15,7 +15,7 @@ the bucket's study, so the sampler only ever sees statically valid points (desig
 
 Op ``sampled`` (the sampled-verification record kernel, :func:`shardmax.sharded_verify`): block
 in ``SAMPLED_BLOCKS`` (non-spilling ``sampled_record_<dtype>_b<block>``), warps, splits as
-above, and ``candidates`` C in :data:`shardmax.sampled.CANDIDATE_CHOICES` with ``C > top_k_max``
+above, and ``candidates`` C in :data:`shardmax.ops.sampled.CANDIDATE_CHOICES` with ``C > top_k_max``
 (the admission constraint: every top-k request with ``k <= top_k_max`` keeps running sharded,
 whatever C the table picks; the default 63 keeps the built-in contract ``k < 64``). Transport is
 the all_gather (the only one of sampled verification); no plain path.
@@ -34,9 +34,9 @@ from typing import Any
 import triton
 from shardmax.generator.space import ARCHES, BLOCKS, SAMPLED_BLOCKS, ArchLimits
 
-from shardmax.dispatch import MAX_SPLITS, PLAIN, Problem, Selection, builtin_default
-from shardmax.sampled import CANDIDATE_CHOICES, MAX_RECORD_SPLITS
-from shardmax.variants import TRANSPORTS, VariantKey, parse_name
+from shardmax.runtime.defaults import CANDIDATE_CHOICES, MAX_RECORD_SPLITS, MAX_SPLITS
+from shardmax.runtime.dispatch import PLAIN, Problem, Selection, builtin_default
+from shardmax.runtime.variants import TRANSPORTS, VariantKey, parse_name
 
 from .problems import Bucket
 
@@ -231,7 +231,7 @@ def sampled_candidates(
     kept: the spill report is made at C = 64 and cannot tell the tiles apart, a timing can.
 
     Raises:
-        ValueError: no C of :data:`shardmax.sampled.CANDIDATE_CHOICES` exceeds ``top_k_max``.
+        ValueError: no C of :data:`shardmax.ops.sampled.CANDIDATE_CHOICES` exceeds ``top_k_max``.
     """
     cs = [c for c in CANDIDATE_CHOICES if c > top_k_max]
     if not cs:

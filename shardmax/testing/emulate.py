@@ -1,56 +1,96 @@
-"""In-process emulation of a TP group: every rank's local stage, then the finish.
+"""In-process emulation of a TP group: every rank's plan, the bytes moved in rank order.
 
-The emulator runs each rank's ``shard_keys`` kernel on the shards that
-:func:`shardmax.testing.shard_like_vllm` cuts, concatenates the keys in rank order exactly as
+The emulator cuts the full logits the way vLLM's LM head is sharded
+(:func:`shardmax.testing.shard_like_vllm`), builds one :class:`~shardmax.runtime.shard.
+ShardContext` per emulated rank (the geometry given, no communication), runs each rank's plan's
+``local`` stage on its own shard, concatenates the results in rank order exactly as
 ``all_gather(dim=0)`` returns them (or takes their elementwise max, as ``all_reduce(MAX)``
-does), and runs the same finish kernel a real rank would. Nothing is shared between "ranks"
-except those keys, so an emulated result equal to the reference proves the sharded algorithm;
-the real collectives are tested separately on GPUs.
+does), and runs rank 0's ``finish`` on those bytes -- the same plan code a real rank runs.
+Nothing is shared between "ranks" except those bytes, so an emulated result equal to the
+reference proves the sharded algorithm; the real collectives are tested separately.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from shardmax import kernels
-from shardmax.dispatch import Problem, Selection, alignment_of, select
+from shardmax.ops.argmax import ArgmaxPlan
+from shardmax.ops.greedy import GreedyVerifyPlan
+from shardmax.runtime.dispatch import Selection
+from shardmax.runtime.geometry import Geometry
+from shardmax.runtime.shard import ShardContext
+from shardmax.runtime.validation import (
+    check_batch_values,
+    check_local_logits,
+    check_step_batch,
+    value_checks_enabled,
+)
 from shardmax.testing.shards import Shard, default_pad_to, shard_like_vllm
-from shardmax.validation import SUPPORTED_DTYPES
+
+__all__ = [
+    "EmulatedRank",
+    "emulate_greedy_verify",
+    "emulate_vocab_parallel_argmax",
+    "emulated_exchange",
+    "emulated_ranks",
+]
 
 
-def _selection(op: str, shard: Shard, tp: int, selection: Selection | None) -> Selection:
-    if selection is not None:
-        return selection
-    logits = shard.local_logits
-    return select(
-        Problem(
-            op,
-            SUPPORTED_DTYPES[logits.dtype],
-            tp,
-            logits.shape[0],
-            logits.shape[1],
-            alignment_of(logits),
-        )
+class EmulatedRank:
+    """The collective of one emulated rank: the emulator moves the bytes itself, so calling a
+    collective here is a bug (it raises)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self._rank, self._world = rank, world_size
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("EmulatedRank: the emulator exchanges the bytes, not the plan")
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("EmulatedRank: the emulator exchanges the bytes, not the plan")
+
+
+def emulated_ranks(
+    full_logits: torch.Tensor, tp_size: int, pad_to: int | None = None
+) -> tuple[list[Shard], list[ShardContext]]:
+    """vLLM-layout shards of ``full_logits [rows, V]`` and one context per emulated rank."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"tp_size: expected an int >= 1, got {tp_size!r}")
+    shards = shard_like_vllm(
+        full_logits, tp_size, pad_to=pad_to or default_pad_to(full_logits.shape[1], tp_size)
     )
-
-
-def emulated_keys(shards: list[Shard], sel: Selection) -> torch.Tensor:
-    """Keys after the collective: ``[tp*rows, S]`` (all_gather) or ``[rows, S]`` (all_reduce)."""
-    per_rank = [
-        kernels.shard_keys(
-            s.local_logits,
-            s.vocab_start,
-            s.num_valid,
-            sel.variant,
-            splits=sel.splits,
-            num_warps=int(sel.launch.get("num_warps", 4)),
-            num_stages=int(sel.launch.get("num_stages", 2)),
-        )
-        for s in shards
+    width = shards[0].local_logits.shape[1]
+    geo = Geometry(tuple((s.vocab_start, s.num_valid) for s in shards), width, full_logits.dtype)
+    ctxs = [
+        ShardContext(EmulatedRank(r, tp_size), geo, r, full_logits.device) for r in range(tp_size)
     ]
-    if sel.transport == "allreduce":
-        return torch.stack(per_rank).amax(dim=0)
-    return torch.cat(per_rank, dim=0)
+    return shards, ctxs
+
+
+def emulated_exchange(sent: list[torch.Tensor], transport: str = "allgather") -> torch.Tensor:
+    """What the group's collective returns from every rank's ``sent`` (rank order)."""
+    if transport == "allreduce":
+        return torch.stack(sent).amax(dim=0)
+    return torch.cat(sent, dim=0)
+
+
+def _stride(t: torch.Tensor) -> int:
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def _check_full(full_logits: Any) -> torch.Tensor:
+    logits, _, _ = check_local_logits(full_logits, 0, None)
+    return logits
 
 
 def emulate_vocab_parallel_argmax(
@@ -64,16 +104,22 @@ def emulate_vocab_parallel_argmax(
 
     ``selection`` forces a variant/launch/transport (the tests sweep every variant); by default
     the dispatcher chooses, as on a real rank. Returns int64 ``[B]``.
+
+    Raises:
+        TypeError / ValueError: ``full_logits`` is not a 2-D bf16/fp16/fp32 tensor with a
+            contiguous last dim on a compute device, or ``tp_size < 1``.
     """
-    shards = shard_like_vllm(
-        full_logits, tp_size, pad_to=pad_to or default_pad_to(full_logits.shape[1], tp_size)
-    )
+    full_logits = _check_full(full_logits)
+    shards, ctxs = emulated_ranks(full_logits, tp_size, pad_to)
     rows = full_logits.shape[0]
+    plans = [
+        ArgmaxPlan(c, rows, _stride(s.local_logits), selection)
+        for c, s in zip(ctxs, shards, strict=True)
+    ]
     if rows == 0:
-        return torch.empty(0, dtype=torch.int64, device=full_logits.device)
-    sel = _selection("argmax", shards[0], tp_size, selection)
-    keys = emulated_keys(shards, sel)
-    return kernels.argmax_pick(keys, rows, tp_size, sel.finish_variant("argmax", tp_size))
+        return plans[0].run(shards[0].local_logits)
+    sent = [p.local(s.local_logits) for p, s in zip(plans, shards, strict=True)]
+    return plans[0].finish(emulated_exchange(sent, plans[0].transport))
 
 
 def emulate_greedy_verify(
@@ -100,49 +146,23 @@ def emulate_greedy_verify(
     op validates it (against the full vocabulary); ``selection`` forces a variant as in
     :func:`emulate_vocab_parallel_argmax`.
     """
-    from shardmax.collectives import SingleRank
-    from shardmax.ops import validate_verify_inputs
-
-    validate_verify_inputs(
-        full_logits,
-        draft_sampled,
-        cu_num_logits,
-        pos,
-        idx_mapping,
-        expanded_local_pos,
-        seed,
-        num_speculative_steps,
-        0,
-        None,
-        synthetic_conditional_rates,
-        seq_lens,
-        prefill_len,
-        SingleRank(),
-    )
-    shards = shard_like_vllm(
-        full_logits, tp_size, pad_to=pad_to or default_pad_to(full_logits.shape[1], tp_size)
-    )
-    num_reqs = idx_mapping.shape[0]
-    if num_reqs == 0:
-        k, dev = num_speculative_steps, full_logits.device
-        return (
-            torch.empty((0, k + 1), dtype=torch.int64, device=dev),
-            torch.empty(0, dtype=torch.int32, device=dev),
-            torch.empty(0, dtype=torch.int32, device=dev),
-        )
-    sel = _selection("verify", shards[0], tp_size, selection)
-    keys = emulated_keys(shards, sel)
-    return kernels.verify_finish(
-        keys,
-        tp_size,
-        sel.finish_variant("verify", tp_size),
-        draft_sampled,
-        cu_num_logits,
-        pos,
-        idx_mapping,
-        seed,
-        num_speculative_steps,
-        synthetic_conditional_rates,
-        seq_lens,
-        prefill_len,
-    )
+    full_logits = _check_full(full_logits)
+    batch = check_step_batch(
+        full_logits.shape[0], full_logits.device, draft_sampled, cu_num_logits, pos,
+        idx_mapping, expanded_local_pos, seed, num_speculative_steps,
+        synthetic_conditional_rates, seq_lens, prefill_len,
+    )  # fmt: skip
+    if full_logits.shape[1] == 0:
+        raise ValueError("full_logits: an empty vocabulary (0 columns)")
+    if value_checks_enabled(full_logits.device):
+        check_batch_values(batch, full_logits.shape[1])
+    shards, ctxs = emulated_ranks(full_logits, tp_size, pad_to)
+    rows = full_logits.shape[0]
+    plans = [
+        GreedyVerifyPlan(c, rows, _stride(s.local_logits), selection)
+        for c, s in zip(ctxs, shards, strict=True)
+    ]
+    if batch.num_reqs == 0:
+        return plans[0].run(shards[0].local_logits, batch)
+    sent = [p.local(s.local_logits) for p, s in zip(plans, shards, strict=True)]
+    return plans[0].finish(emulated_exchange(sent, plans[0].transport), batch)

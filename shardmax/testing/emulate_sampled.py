@@ -1,29 +1,35 @@
 """In-process emulation of :func:`shardmax.sharded_verify` over ``tp_size`` ranks.
 
-Every emulated rank runs the ``sampled_record`` kernel on its :func:`shard_like_vllm` shard; the
-records are concatenated in rank order exactly as ``all_gather(dim=0)`` returns them, and the
-finish kernel a real rank would run reduces them. Nothing else is shared between "ranks".
+Every emulated rank runs its :class:`~shardmax.ops.sampled.SampledVerifyPlan`'s ``local`` stage
+(row parameters, the ``sampled_record`` kernel, strict extras) on its :func:`shard_like_vllm`
+shard; the buffers are concatenated in rank order exactly as ``all_gather(dim=0)`` returns them,
+and rank 0's ``finish`` (merge, strict LSE, finish kernel) reduces them -- the code a real rank
+runs. Nothing else is shared between "ranks" (:mod:`shardmax.testing.emulate`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardmax.collectives import SingleRank
-from shardmax.dispatch import Selection
-from shardmax.sampled import (
+from shardmax.ops.sampled import (
+    MODES,
     TOPK_CANDIDATES,
+    RecordLaunch,
+    SampledVerifyPlan,
     VerifyResult,
-    _empty,
+    check_logits_processed,
     check_record_selection,
-    finish_gathered,
-    local_buffer,
     record_variant,
-    row_params,
-    strict_step,
-    validate_sampled_inputs,
+    resolve_chunk_gate,
 )
-from shardmax.testing.shards import default_pad_to, shard_like_vllm
+from shardmax.runtime.dispatch import Selection
+from shardmax.runtime.validation import (
+    SUPPORTED_DTYPES,
+    check_batch_values,
+    check_step_batch,
+    value_checks_enabled,
+)
+from shardmax.testing.emulate import _check_full, _stride, emulated_exchange, emulated_ranks
 
 __all__ = ["emulate_verify"]
 
@@ -59,108 +65,65 @@ def emulate_verify(
     """``sharded_verify`` of ``tp_size`` emulated ranks over ``full_logits [num_logits, V]``.
 
     Same arguments and outputs as :func:`shardmax.sharded_verify` after ``tp_size`` (the batch is
-    validated as the public op validates it, against the full vocabulary). ``record_block``
-    forces the record kernel's tile (``generator.space.SAMPLED_BLOCKS``); ``record_splits``
-    (1..32) the programs per row and rank (the public op picks it with
-    :func:`shardmax.sampled.record_launch`); the finish variant follows ``tp_size *
-    record_splits`` (``2/4/8`` unrolled, ``n`` otherwise, 1 included). ``candidates`` (C, one of
-    :data:`shardmax.sampled.CANDIDATE_CHOICES`) and ``num_warps`` as the public op's selection.
-    ``selection``: a ``sampled`` :class:`shardmax.dispatch.Selection` (the tuner's), which sets
-    the record variant (its dtype must be the logits'), splits, warps and C instead.
-    """
-    if selection is not None:
-        from shardmax.validation import SUPPORTED_DTYPES
+    validated as the public op validates it, against the full vocabulary). The record launch is
+    this function's, not the dispatcher's: ``record_block`` (default the built-in 2048),
+    ``record_splits`` (1..32 programs per row and rank), ``candidates`` (C, one of
+    :data:`shardmax.runtime.defaults.CANDIDATE_CHOICES`) and ``num_warps``; or ``selection``, a
+    ``sampled`` :class:`shardmax.runtime.dispatch.Selection` (the tuner's), which sets all four.
+    The finish variant follows ``tp_size * record_splits`` (``2/4/8`` unrolled, ``n``
+    otherwise).
 
-        if full_logits.dtype in SUPPORTED_DTYPES:  # else validate_sampled_inputs names it
-            check_record_selection(selection.variant, SUPPORTED_DTYPES[full_logits.dtype])
-        record_block = None
-        record_splits = selection.splits
-        candidates = selection.candidates
-        num_warps = int(selection.launch.get("num_warps", 4))
-    chk = validate_sampled_inputs(
-        full_logits,
-        draft_sampled,
-        cu_num_logits,
-        pos,
-        idx_mapping,
-        expanded_local_pos,
-        temperature,
-        seed,
-        num_speculative_steps,
-        0,
-        None,
-        top_k,
-        synthetic_conditional_rates,
-        seq_lens,
-        prefill_len,
-        use_fp64_gumbel,
-        mode,
-        SingleRank(),
-        top_p,
-        min_p,
-    )
-    k = num_speculative_steps
-    if idx_mapping.shape[0] == 0:
-        return _empty(k, full_logits.device)
-    shards = shard_like_vllm(
-        full_logits, tp_size, pad_to=pad_to or default_pad_to(full_logits.shape[1], tp_size)
-    )
-    params = row_params(draft_sampled, cu_num_logits, pos, idx_mapping, chk.temperature, seed)
+    Raises:
+        TypeError / ValueError as :func:`shardmax.sharded_verify`, and for a ``selection`` or
+        record launch that is not a record kernel of the logits' dtype.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if not isinstance(use_fp64_gumbel, bool):
+        raise TypeError(f"use_fp64_gumbel: expected a bool, got {type(use_fp64_gumbel).__name__}")
+    check_logits_processed(logits_processed)
+    full_logits = _check_full(full_logits)
     if selection is not None:
-        variant = selection.variant
-    elif record_block is None:
-        variant = record_variant(full_logits.dtype)
+        check_record_selection(selection.variant, SUPPORTED_DTYPES[full_logits.dtype])
+        launch = RecordLaunch.of(selection)
     else:
-        variant = record_variant(full_logits.dtype, record_block)
-    with_candidates = chk.top_k is not None or chk.top_p is not None or chk.min_p is not None
-    strict = None
+        variant = record_variant(full_logits.dtype, record_block or 2048)
+        if record_block is not None:
+            from shardmax.runtime.kernels import load
+
+            load(variant)  # a block that was never generated: ValueError naming it
+        launch = RecordLaunch(variant, record_splits, num_warps, candidates, "emulator")
+    batch = check_step_batch(
+        full_logits.shape[0], full_logits.device, draft_sampled, cu_num_logits, pos,
+        idx_mapping, expanded_local_pos, seed, num_speculative_steps,
+        synthetic_conditional_rates, seq_lens, prefill_len, temperature=temperature,
+        top_k=top_k, top_p=top_p, min_p=min_p,
+    )  # fmt: skip
+    vocab = full_logits.shape[1]
+    if vocab == 0:
+        raise ValueError("full_logits: an empty vocabulary (0 columns)")
+    checks = value_checks_enabled(full_logits.device)
+    if checks:
+        check_batch_values(batch, vocab, temperature=temperature)
+    processed = False
     if mode == "strict":
-        geometry = [(sh.vocab_start, sh.num_valid) for sh in shards]
-        width = shards[0].local_logits.stride(0)
-        strict = strict_step(
-            geometry, full_logits.dtype, width, full_logits.shape[0], idx_mapping, chk,
-            logits_processed, params,
-        )  # fmt: skip
-    gathered = torch.cat(
-        [
-            local_buffer(
-                sh.local_logits,
-                sh.vocab_start,
-                sh.num_valid,
-                params,
-                variant,
-                use_fp64_gumbel,
-                record_splits,
-                with_candidates,
-                strict,
-                rank,
-                num_warps=num_warps,
-                candidates=candidates,
-            )
-            for rank, sh in enumerate(shards)
-        ],
-        dim=0,
-    )
-    return finish_gathered(
-        gathered,
-        tp_size,
-        record_splits,
-        with_candidates,
-        chk.vocab,
-        draft_sampled,
-        cu_num_logits,
-        pos,
-        idx_mapping,
-        chk.temperature,
-        seed,
-        k,
-        chk.top_k,
-        synthetic_conditional_rates,
-        seq_lens,
-        prefill_len,
-        use_fp64_gumbel,
-        chk.top_p,
-        chk.min_p,
-        strict,
-        candidates=candidates,
-    )
+        processed = resolve_chunk_gate(batch, vocab, logits_processed, checks)
+    shards, ctxs = emulated_ranks(full_logits, tp_size, pad_to)
+    with_candidates = top_k is not None or top_p is not None or min_p is not None
+    plans = [
+        SampledVerifyPlan(
+            c,
+            full_logits.shape[0],
+            _stride(s.local_logits),
+            mode=mode,
+            use_fp64_gumbel=use_fp64_gumbel,
+            with_candidates=with_candidates,
+            processed=processed,
+            launch=launch,
+        )
+        for c, s in zip(ctxs, shards, strict=True)
+    ]
+    if batch.num_reqs == 0:
+        return plans[0].run(shards[0].local_logits, batch)
+    sent = [p.local(s.local_logits, batch) for p, s in zip(plans, shards, strict=True)]
+    return plans[0].finish(emulated_exchange(sent), batch)

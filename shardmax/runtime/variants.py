@@ -13,6 +13,7 @@ fixed order and are present only when the family has that axis::
     sampled_record_bf16_b2048       sampled verification, local stage: shard -> fixed-size records
     sampled_finish_tp4_allgather    sampled verification finish after all_gather(dim=0) of records
     sampled_merge                   candidate steps: merge of the ranks' candidates + nucleus
+    row_params                      sampled verification: each logits row's slot, T, seed, draft
     block_stats_fp32_va1            strict mode: vLLM's 8192-block (max, sumexp), vLLM's layout
     strict_rebuild_bf16_va16        strict mode: the blocks cut by shard edges, from raw pieces
     strict_replay_va1               strict mode: the blocks of top-k/top-p/min-p kept sets
@@ -35,6 +36,7 @@ FAMILIES = (
     "sampled_record",
     "sampled_finish",
     "sampled_merge",
+    "row_params",
     "block_stats",
     "strict_rebuild",
     "strict_replay",
@@ -45,7 +47,7 @@ UNROLLED_TP = (2, 4, 8)
 
 _NAME_RE = re.compile(
     r"^(?P<family>shard_keys|argmax_pick|verify_finish|sampled_record|sampled_finish"
-    r"|sampled_merge|block_stats|strict_rebuild|strict_replay|strict_lse)"
+    r"|sampled_merge|row_params|block_stats|strict_rebuild|strict_replay|strict_lse)"
     r"(?:_(?P<dtype>bf16|fp16|fp32))?"
     r"(?:_va(?P<align>\d+))?"
     r"(?:_b(?P<block>\d+))?"
@@ -78,7 +80,7 @@ class VariantKey:
                 raise ValueError(f"sampled_record needs dtype and block (no align): {self}")
             if self.tp is not None or self.transport is not None:
                 raise ValueError(f"sampled_record has no tp/transport axis: {self}")
-        elif self.family in ("sampled_merge", "strict_lse"):
+        elif self.family in ("sampled_merge", "row_params", "strict_lse"):
             if (self.dtype, self.align, self.block, self.tp, self.transport) != (None,) * 5:
                 raise ValueError(f"{self.family} has no axis: {self}")
         elif self.family in ("block_stats", "strict_rebuild"):

@@ -33,6 +33,8 @@ from enum import IntEnum
 
 import torch
 
+from shardmax.runtime.defaults import SPLIT_PIPELINE_MAX_ROWS
+
 __all__ = [
     "GuardReason",
     "NucleusDecision",
@@ -45,8 +47,6 @@ __all__ = [
     "top_k_keep",
 ]
 
-SPLIT_PIPELINE_MAX_ROWS = 64
-"""vLLM uses its split top-p pipeline for steps of at most 64 logits rows without top-k (§1.1)."""
 FP32_EPS = 2.0**-23
 
 

@@ -77,7 +77,7 @@ Helpers (all element-wise, scalars or blocks):
 * :func:`uniform_fp32_from_hash`, :func:`gumbel_fp32_from_uniform`, :func:`gumbel_fp32` -- fp32 mode.
 * :func:`uniform_fp64_from_hashes`, :func:`gumbel_fp64_from_uniform`, :func:`gumbel_fp64` -- fp64.
 * :func:`acceptance_log_u` -- ``(u, log u)`` of the acceptance test (``tl.rand`` via
-  :func:`shardmax._rand.synthetic_u`, then ``tl.log``), research §1.2 / §2.3 ("u and log u from
+  :func:`shardmax.runtime.rand.synthetic_u`, then ``tl.log``), research §1.2 / §2.3 ("u and log u from
   Triton's own ``tl.rand`` and ``tl.log``").
 
 Host launchers over 1-D int64 tensors: :func:`gumbel_components_triton`,
@@ -91,7 +91,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardmax._rand import synthetic_u
+from shardmax.runtime.rand import synthetic_u
 
 HASH_SEED_LO = 0
 """MurmurHash3 seed of the (only, in fp32 mode) hash word."""

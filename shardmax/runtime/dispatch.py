@@ -25,6 +25,7 @@ import functools
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,19 +34,21 @@ from typing import Any
 import torch
 import triton
 
-from shardmax.variants import TRANSPORTS, VariantKey, finish_variant, parse_name
+from shardmax.runtime.defaults import (
+    CANDIDATE_CHOICES,
+    MAX_RECORD_SPLITS,
+    TARGET_PROGRAMS,
+    builtin_launch,
+)
+from shardmax.runtime.variants import TRANSPORTS, VariantKey, finish_variant, parse_name
 
-log = logging.getLogger("shardmax.dispatch")
+log = logging.getLogger("shardmax.runtime.dispatch")
 
 OPS = ("argmax", "verify", "sampled")
 """``argmax`` / ``verify``: the greedy local stage (``shard_keys_*``); ``sampled``: the sampled
 verification record kernel (``sampled_record_*``, :func:`shardmax.sharded_verify`)."""
 PLAIN = "plain"
 """Selection.variant of the unsharded path: all-gather the full logits, then reduce."""
-
-TARGET_PROGRAMS = 264
-"""Built-in default: aim for about 2 programs per SM of a 132-SM GPU in the local stage."""
-MAX_SPLITS = 32
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class Problem:
             )
         if self.align not in (1, 16):
             raise ValueError(f"align: {self.align!r}, expected 1 or 16 (see alignment_of)")
+        if self.arch is not None:
+            check_arch(self.arch)
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,27 @@ class Selection:
         return finish_variant(op, tp, self.transport)
 
 
+_ARCH_RE = re.compile(r"^[A-Za-z0-9_]{1,32}$")
+
+
+def check_arch(arch: object) -> str:
+    """An arch id names a table folder (``generated/<arch>/``): ``sm90``, ``gfx950``, ... --
+    letters, digits and ``_`` only, at most 32, so that no arch string can reach another folder.
+
+    Raises:
+        TypeError: not a str. ValueError: anything else (a path, a long or empty string).
+    """
+    if not isinstance(arch, str):
+        raise TypeError(f"arch: expected an arch id string such as 'sm90', got {arch!r}")
+    if not _ARCH_RE.match(arch):
+        shown = arch if len(arch) <= 40 else arch[:40] + "..."
+        raise ValueError(
+            f"arch: {shown!r} is not an arch id (letters, digits and '_', at most 32; e.g. "
+            "'sm90', 'gfx950')"
+        )
+    return arch
+
+
 def detect_arch() -> str | None:
     """Arch id of the current device: ``sm90``-style for CUDA, ``gfx950``-style for ROCm."""
     if not torch.cuda.is_available():
@@ -126,45 +152,21 @@ def detect_arch() -> str | None:
 def alignment_of(t: torch.Tensor) -> int:
     """16 if the row stride (elements) is a multiple of 16, else 1."""
     stride = t.stride(0) if t.dim() == 2 and t.shape[0] > 1 else t.shape[-1]
-    return 16 if stride % 16 == 0 else 1
+    return alignment_of_stride(stride)
+
+
+def alignment_of_stride(row_stride: int) -> int:
+    """The ``align`` of a problem whose logits have this row stride (elements): 16 or 1."""
+    return 16 if row_stride % 16 == 0 else 1
 
 
 def builtin_default(problem: Problem, target_programs: int = TARGET_PROGRAMS) -> Selection:
-    """Portable default: block 4096 (1024 for narrow shards), ~2 programs per SM, 8 warps; op
-    ``sampled``: the record kernel at block 2048, 4 warps, C = 64 and
-    :func:`shardmax.sampled.default_record_splits` programs per row.
-
-    ``target_programs`` is the number of local-stage programs to aim for (1 on CPU, where the
-    interpreter runs programs one after another and more splits only cost time).
-    """
-    if problem.op == "sampled":
-        from shardmax.sampled import DEFAULT_RECORD_BLOCK, TOPK_CANDIDATES, default_record_splits
-
-        rec = VariantKey("sampled_record", dtype=problem.dtype, block=DEFAULT_RECORD_BLOCK)
-        splits = default_record_splits(
-            problem.rows, problem.width, DEFAULT_RECORD_BLOCK, target_programs
-        )
-        launch = {
-            "splits": splits,
-            "num_warps": 4,
-            "candidates": TOPK_CANDIDATES,
-            "transport": "allgather",
-        }
-        return Selection(rec.name, launch, is_tuned=False, source="builtin")
-    block = 4096 if problem.width >= 4096 else 1024
-    max_splits = max(1, triton.cdiv(problem.width, block))
-    want = triton.cdiv(target_programs, max(problem.rows, 1))
-    splits = 1
-    while splits * 2 <= min(want, max_splits, MAX_SPLITS):
-        splits *= 2
-    key = VariantKey("shard_keys", dtype=problem.dtype, align=problem.align, block=block)
-    launch = {
-        "splits": splits,
-        "num_warps": 8 if block >= 4096 else 4,
-        "num_stages": 2,
-        "transport": "allgather",
-    }
-    return Selection(key.name, launch, is_tuned=False, source="builtin")
+    """The portable rule of :func:`shardmax.runtime.defaults.builtin_launch` as a
+    :class:`Selection` (``is_tuned=False``, ``source="builtin"``)."""
+    axes, launch = builtin_launch(
+        problem.op, problem.dtype, problem.rows, problem.width, problem.align, target_programs
+    )
+    return Selection(VariantKey(**axes).name, launch, is_tuned=False, source="builtin")
 
 
 def _table_paths(arch: str, op: str) -> list[Path]:
@@ -189,10 +191,18 @@ def load_table(path: Path) -> dict[str, Any] | None:
     """
     if not path.exists():
         return None
+    if not path.is_file():
+        raise ValueError(f"{path}: a table path must be a JSON file, this is not a regular file")
     try:
-        table = json.loads(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e}); a table is a JSON file") from e
+    try:
+        table = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise ValueError(f"{path}: JSON nested too deeply to be a table") from e
     validate_table(table, str(path))
     if table["op"] != path.stem or table["arch"] != path.parent.name:
         raise ValueError(
@@ -215,7 +225,7 @@ _MATCH_MIN = {"tp": 1, "rows_le": 1, "width_le": 1}
 def validate_launch(launch: dict[str, Any], where: str) -> None:
     """Launch parameters must be usable: splits >= 1, num_warps a power of two in [1, 32],
     num_stages >= 1, transport one of the transports, candidates (when given) one of
-    :data:`shardmax.sampled.CANDIDATE_CHOICES`. Raises ValueError naming the field."""
+    :data:`shardmax.runtime.defaults.CANDIDATE_CHOICES`. Raises ValueError naming the field."""
     splits = launch.get("splits", 1)
     if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
         raise ValueError(f"{where}: splits must be an int >= 1, got {splits!r}")
@@ -230,8 +240,6 @@ def validate_launch(launch: dict[str, Any], where: str) -> None:
             f"{where}: transport must be one of {TRANSPORTS}, got {launch.get('transport')!r}"
         )
     if "candidates" in launch:
-        from shardmax.sampled import CANDIDATE_CHOICES
-
         c = launch["candidates"]
         if not isinstance(c, int) or isinstance(c, bool) or c not in CANDIDATE_CHOICES:
             raise ValueError(f"{where}: candidates must be one of {CANDIDATE_CHOICES}, got {c!r}")
@@ -254,7 +262,7 @@ def validate_table(table: Any, where: str = "table") -> None:
         raise ValueError(f"{where}: schema {table['schema']!r} not supported (expected 1)")
     if table["op"] not in OPS:
         raise ValueError(f"{where}: op {table['op']!r}, expected one of {OPS}")
-    if not isinstance(table["arch"], str) or not table["arch"]:
+    if not isinstance(table["arch"], str) or not _ARCH_RE.match(table["arch"]):
         raise ValueError(f"{where}: arch must be an arch id such as 'sm90' or 'gfx950'")
     if not isinstance(table["tuned"], bool):
         raise ValueError(f"{where}: tuned must be true or false, got {table['tuned']!r}")
@@ -263,7 +271,7 @@ def validate_table(table: Any, where: str = "table") -> None:
     rows = table["rows"]
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{where}: rows must be a non-empty list")
-    from shardmax.kernels import load
+    from shardmax.runtime.kernels import load
 
     for i, row in enumerate(rows):
         at = f"{where}: row {i}"
@@ -327,8 +335,6 @@ def _adapt(row: dict[str, Any], p: Problem, tuned: bool, source: str) -> Selecti
         if key.dtype != p.dtype:
             key = VariantKey("sampled_record", dtype=p.dtype, block=key.block)
             tuned = False
-        from shardmax.sampled import MAX_RECORD_SPLITS
-
         cap = min(MAX_RECORD_SPLITS, max(1, triton.cdiv(p.width, int(key.block or 1))))
         launch["splits"] = max(1, min(int(launch["splits"]), cap))
         return Selection(key.name, launch, tuned, source)
@@ -362,13 +368,31 @@ def override(**fields: Any) -> Iterator[None]:
     if unknown:
         raise TypeError(f"override: unknown fields {sorted(unknown)}")
     if "variant" in fields and fields["variant"] != PLAIN:
-        parse_name(str(fields["variant"]))
+        variant = fields["variant"]
+        if not isinstance(variant, str):
+            raise TypeError(f"override: variant must be a variant name, got {variant!r}")
+        key = parse_name(variant)
+        if key.family not in ("shard_keys", "sampled_record"):
+            raise ValueError(
+                f"override: variant {variant!r} is a {key.family} kernel; a selection names a "
+                "local stage: shard_keys_* (ops argmax / verify), sampled_record_* (op sampled) "
+                "or 'plain'"
+            )
+        from shardmax.runtime.kernels import load
+
+        load(variant)  # a block that was never generated fails here, not at the call
     validate_launch({k: v for k, v in fields.items() if k != "variant"}, "override")
     old, _override = _override, dict(fields)
     try:
         yield
     finally:
         _override = old
+
+
+def override_key() -> tuple[tuple[str, Any], ...] | None:
+    """A hashable of the override in force (None without one): plans cached across calls key on
+    it, so a selection made under an override is never reused outside it (or vice versa)."""
+    return None if _override is None else tuple(sorted(_override.items()))
 
 
 def select(problem: Problem) -> Selection:
@@ -424,107 +448,3 @@ def _select_cached(problem: Problem) -> Selection:
 
 
 select.cache_clear = _select_cached.cache_clear  # type: ignore[attr-defined]
-
-
-def _warmup_records(logits: torch.Tensor, num_valid: int, sel: Selection) -> list[str]:
-    """One launch of a ``sampled`` selection's record kernel per step kind (records only, and
-    with candidates; fp32 and fp64 Gumbel), with the launch parameters a real step uses."""
-    from shardmax.sampled import sampled_records
-
-    rows, dev = logits.shape[0], logits.device
-    params = (
-        torch.ones(rows, dtype=torch.float32, device=dev),
-        torch.zeros(rows, dtype=torch.int64, device=dev),
-        torch.arange(rows, dtype=torch.int64, device=dev),
-        torch.full((rows,), -1, dtype=torch.int64, device=dev),
-    )
-    names = []
-    for fp64 in (False, True):
-        for with_candidates in (False, True):
-            sampled_records(
-                logits, 0, num_valid, params, sel.variant, fp64,
-                num_warps=int(sel.launch.get("num_warps", 4)), splits=sel.splits,
-                with_candidates=with_candidates, candidates=sel.candidates,
-            )  # fmt: skip
-            tag = ",".join(
-                [*(["fp64"] if fp64 else []), *([f"C={sel.candidates}"] if with_candidates else [])]
-            )
-            names.append(f"{sel.variant}[{tag}]" if tag else sel.variant)
-    return names
-
-
-def warmup(
-    problems: list[Problem],
-    *,
-    num_speculative_steps: tuple[int, ...] = (),
-    device: torch.device | str | None = None,
-) -> list[str]:
-    """Compile every kernel that ``select`` can choose for ``problems`` before graph capture.
-
-    Launches each selected local variant once on random logits of the problem's width (same
-    dtype, row-stride alignment and launch parameters as a real call, so the same Triton
-    specialisation) and its finish kernel for the problem's TP size; for ``verify`` problems,
-    once per K in ``num_speculative_steps`` and per synthetic / chunked-prefill flag, with vLLM's
-    index dtypes (int32 drafts, cu_num_logits, idx_mapping, seq_lens, prefill_len; int64
-    positions and seeds). ``sampled`` problems launch their record kernel (records only, and
-    with the selection's C candidates, fp32 and fp64 Gumbel); their merge and finish kernels
-    are not launched here and compile on a step's first call, so run one sampled step of each
-    kind (and TP size) before capturing one. Sizes are not specialised by the kernels, so afterwards a CUDA graph of any batch size
-    of these problems captures without compiling. No collective is issued.
-
-    Returns the names of the kernels launched.
-    """
-    from shardmax import kernels
-
-    dev = (
-        torch.device(device)
-        if device is not None
-        else (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    )
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    launched: list[str] = []
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    for p in problems:
-        sel = select(p)
-        if sel.variant == PLAIN:
-            continue
-        width = p.width if p.align == 1 or p.width % 16 == 0 else p.width + 16 - p.width % 16
-        rows = max(1, p.rows)
-        logits = torch.randn(rows, width, generator=gen).to(dtypes[p.dtype]).to(dev)
-        if p.op == "sampled":
-            launched += _warmup_records(logits, p.width, sel)
-            continue
-        keys = kernels.shard_keys(
-            logits,
-            0,
-            p.width,
-            sel.variant,
-            splits=sel.splits,
-            num_warps=int(sel.launch.get("num_warps", 4)),
-            num_stages=int(sel.launch.get("num_stages", 2)),
-        )
-        launched.append(sel.variant)
-        tp = p.tp
-        gathered = keys if sel.transport == "allreduce" else keys.repeat(tp, 1)
-        finish = sel.finish_variant(p.op, tp)
-        if p.op == "argmax":
-            kernels.argmax_pick(gathered, rows, tp, finish)
-            launched.append(finish)
-            continue
-        i32, i64 = torch.int32, torch.int64
-        for k in num_speculative_steps:
-            draft = torch.zeros(rows, dtype=i32, device=dev)
-            cu = torch.tensor([0, rows], dtype=i32, device=dev)
-            pos = torch.arange(rows, dtype=i64, device=dev)
-            idx = torch.zeros(1, dtype=i32, device=dev)
-            seed = torch.zeros(1, dtype=i64, device=dev)
-            rates = torch.ones(k, dtype=torch.float32, device=dev)
-            seq_lens = torch.ones(1, dtype=i32, device=dev)
-            prefill = torch.zeros(1, dtype=i32, device=dev)
-            for synthetic in (None, rates):
-                for prefill_args in ((None, None), (seq_lens, prefill)):
-                    kernels.verify_finish(
-                        gathered, tp, finish, draft, cu, pos, idx, seed, k, synthetic, *prefill_args
-                    )
-            launched.append(f"{finish}[K={k}]")
-    return launched

@@ -135,7 +135,7 @@ def synthetic_uniform(seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The uniform number vLLM draws for synthetic acceptance (spec §1.6, vLLM ``tl_rand32``).
 
     ``u = max(tl.rand(seed, pos), 4.6566127342e-10)`` with Triton's own ``tl.rand`` on an int64
-    seed and an int64 offset (see :mod:`shardmax._rand`). Element-wise.
+    seed and an int64 offset (see :mod:`shardmax.runtime.rand`). Element-wise.
 
     Args:
         seed: int64 ``[N]`` per-element seeds (the request's ``seed[idx_mapping[r]]``).
@@ -147,7 +147,7 @@ def synthetic_uniform(seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: dtype/shape mismatch. RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    from shardmax._rand import synthetic_uniform_triton
+    from shardmax.runtime.rand import synthetic_uniform_triton
 
     return synthetic_uniform_triton(seed, pos)
 

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from shardmax import kernels
-from shardmax.validation import SUPPORTED_DTYPES
-from shardmax.variants import VariantKey, build_name
+from shardmax.runtime import kernels
+from shardmax.runtime.validation import SUPPORTED_DTYPES
+from shardmax.runtime.variants import VariantKey, build_name
 
 __all__ = [
     "VOCAB_BLOCK",
@@ -195,8 +195,8 @@ def block_stats(
     rows = src.shape[0]
     if rows == 0 or nblocks == 0:
         return
-    mod = kernels.load(_variant(src.dtype, aligned))
-    mod.kernel[(rows, nblocks)](
+    kernels.kernel(_variant(src.dtype, aligned))(
+        (rows, nblocks),
         src,
         out_max,
         out_sumexp,
@@ -320,12 +320,11 @@ def rebuild_block_stats(
     )
     cut, seg, full = _tables(p, dev)
     aligned = vllm_row_stride(processed, tp, width, p.vocab) % 16 == 0
-    mod = kernels.load(
-        build_name(
-            VariantKey("strict_rebuild", dtype=SUPPORTED_DTYPES[dtype], align=16 if aligned else 1)
-        )
+    name = build_name(
+        VariantKey("strict_rebuild", dtype=SUPPORTED_DTYPES[dtype], align=16 if aligned else 1)
     )
-    mod.kernel[(rows, ncut + tp)](
+    kernels.kernel(name)(
+        (rows, ncut + tp),
         scratch,
         gathered,
         g_max,
@@ -378,9 +377,10 @@ def replay_kept(
         return
     dev = g_max.device
     scratch = torch.empty((rows, nb * VOCAB_BLOCK), dtype=torch.float32, device=dev)
-    mod = kernels.load(build_name(VariantKey("strict_replay", align=16 if vocab % 16 == 0 else 1)))
+    name = build_name(VariantKey("strict_replay", align=16 if vocab % 16 == 0 else 1))
     dummy = g_max
-    mod.kernel[(rows, nb)](
+    kernels.kernel(name)(
+        (rows, nb),
         scratch,
         candidates,
         g_max,
@@ -408,8 +408,8 @@ def strict_lse(g_max: torch.Tensor, g_sum: torch.Tensor) -> torch.Tensor:
     lse = torch.empty(rows, dtype=torch.float32, device=g_max.device)
     if rows == 0:
         return lse
-    mod = kernels.load(build_name(VariantKey("strict_lse")))
-    mod.kernel[(rows,)](
+    kernels.kernel("strict_lse")(
+        (rows,),
         g_max,
         g_max.stride(0),
         g_sum,
@@ -420,3 +420,64 @@ def strict_lse(g_max: torch.Tensor, g_sum: torch.Tensor) -> torch.Tensor:
         num_warps=1,
     )
     return lse
+
+
+class StrictLayout:
+    """Strict mode of one planned step: the geometry's :class:`StrictPlan`, vLLM's chunk gate
+    (``processed``), the logits dtype and row stride, the row count -- fixed at plan time, with
+    the device tables of ``strict_rebuild`` made here (never during a captured run)."""
+
+    def __init__(
+        self,
+        p: StrictPlan,
+        processed: bool,
+        dtype: torch.dtype,
+        row_stride: int,
+        rows: int,
+        device: torch.device,
+    ) -> None:
+        self.plan = p
+        _tables(p, device)
+        self.processed = processed
+        self.dtype = dtype
+        self.row_stride = row_stride
+        self.rows = rows
+        self.extras_words = extras_words(p, rows, dtype)
+
+    def rank_extras(
+        self,
+        rank: int,
+        logits: torch.Tensor,
+        temp_row: torch.Tensor,
+        tp: int,
+        out: torch.Tensor,
+    ) -> None:
+        """This rank's extras into ``out`` (the tail of its send buffer): :func:`rank_extras`."""
+        rank_extras(self.plan, rank, logits, self.processed, temp_row, tp, out=out)
+
+    def lse(
+        self,
+        gathered: torch.Tensor,
+        offset: int,
+        temp_row: torch.Tensor,
+        slot_row: torch.Tensor,
+        vocab: int,
+        candidates: torch.Tensor | None,
+        top_k: torch.Tensor | None,
+        keep: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Every rank: vLLM's fp32 LSE of every row from the gathered extras (at word
+        ``offset`` of each rank's buffer); rows that keep a top-k / top-p / min-p set replay it
+        from the merged ``candidates``. ``strict_rebuild``, ``strict_replay`` (candidate steps),
+        ``strict_lse``."""
+        tp = len(self.plan.starts)
+        g_max, g_sum = rebuild_block_stats(
+            self.plan, gathered, offset, self.rows, self.dtype, self.processed, temp_row, tp,
+            self.row_stride,
+        )  # fmt: skip
+        if candidates is not None:
+            replay_kept(
+                g_max, g_sum, candidates, temp_row, vocab, slot_row=slot_row, top_k=top_k,
+                keep=keep, cand_per_row=candidates.shape[1],
+            )  # fmt: skip
+        return strict_lse(g_max, g_sum)

@@ -154,5 +154,5 @@ def resolve(group: Any) -> Collective:
         return group
     raise TypeError(
         "group: expected None, a torch.distributed ProcessGroup, a vLLM GroupCoordinator or a "
-        f"shardmax.collectives.Collective, got {type(group).__name__}"
+        f"shardmax.runtime.collectives.Collective, got {type(group).__name__}"
     )

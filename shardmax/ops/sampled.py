@@ -1,0 +1,724 @@
+"""Sharded verification of sampled (temperature, top-k/p, min-p) and greedy requests.
+
+Research ``sampled-verification.md`` §1.2-§1.3 (what vLLM does) and §2.1-§2.4 (design). Data flow
+of one run on one TP rank, one collective per step::
+
+    batch --row_params--> per row: slot, temperature, seed, verified draft       (one launch)
+    local logits [rows, W] --sampled_record_<dtype>_b<block>--> records [S*rows, 3|4] int64
+                               (candidate step: + 1 word, and [S*rows, C] int64 candidates;
+                                strict mode: + vLLM's block statistics and cut-block pieces)
+    flat buffer [1, n] --all_gather(dim=0)--> [tp, n]   (24*S B per row and rank; fp64: 32*S B;
+                                                         candidate step: +8*S*(1 + C) B)
+    [tp, n] (candidate step: --sampled_merge--> merged [rows, C] (+ keep, unsafe for top-p/min-p))
+            (strict: --strict_rebuild / strict_replay / strict_lse--> vLLM's fp32 LSE per row)
+        --sampled_finish_tp<N>_allgather--> sampled, num_sampled, num_rejected, fallback, reason
+
+A candidate step is one with top-k, top-p or min-p requests. The record kernel's tile, ``S``
+programs per row, warps and ``C`` come from the dispatcher (:func:`record_launch`: the tuned
+``generated/<arch>/sampled.json``, else the built-in rule of :mod:`shardmax.runtime.defaults`);
+the finish combines the ``N = tp * S`` records of a row exactly as it combines ranks. None of
+them changes a token or count of a request that is not flagged.
+
+Exactness (vs :func:`shardmax.reference.sampled.verify_sampled` and vLLM):
+
+* greedy requests (``T == 0``): exactly :func:`shardmax.reference.greedy_verify`;
+* Gumbel resample / bonus tokens and synthetic acceptance: exact (partition-free keys);
+* temperature acceptance, fast mode: the global LSE is rebuilt from per-rank ``(max, sumexp)``
+  in fp64, so it is not vLLM's fp32 bits; every row whose decision could differ (interval test,
+  research §2.3) sets ``fallback`` for its request -- all other decisions are vLLM's;
+* temperature acceptance, strict mode: vLLM's fp32 LSE bits (:mod:`shardmax.ops.strict`: the
+  strict extras ride in the same all_gather after the records), every decision is vLLM's;
+* top-k requests (``0 < k < C``): the kept set comes from the top-C packed keys of ``x`` of every
+  record split of every rank, merged by ``sampled_merge`` into an exact prefix of the row's
+  (value desc, id asc) order -- vLLM's converged top-k, ties at the k-th value by lowest id;
+  acceptance as above with the kept set's LSE; the Gumbel token over the kept ids. Rows whose
+  k-th value is too close to the next distinct one for vLLM's pivot search to be sure to converge
+  (research §2.4: ``v_k - v' <= 3.5e-4 * (max - min_finite)``), or whose kept set reaches past
+  the exact prefix, set ``fallback``;
+* top-p / min-p requests: the kept count and the guard come from ``sampled_merge`` (the exact
+  nucleus of the merged prefix);
+* requests with NaN / +inf / no finite logit in a used row, and requests with ``k >= C`` are
+  returned with ``fallback = True``.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import NamedTuple
+
+import torch
+import triton
+
+from shardmax.ops import strict as strict_mod
+from shardmax.runtime import kernels
+from shardmax.runtime.defaults import (
+    CANDIDATE_CHOICES,
+    DEFAULT_RECORD_BLOCK,
+    MAX_RECORD_SPLITS,
+    SPLIT_PIPELINE_MAX_ROWS,
+    TARGET_PROGRAMS,
+    TOPK_CANDIDATES,
+    default_record_splits,
+)
+from shardmax.runtime.dispatch import Problem, Selection, select
+from shardmax.runtime.shard import ShardContext
+from shardmax.runtime.validation import SUPPORTED_DTYPES, StepBatch
+from shardmax.runtime.variants import VariantKey, build_name, finish_variant, parse_name
+
+__all__ = [
+    "CANDIDATE_CHOICES",
+    "DEFAULT_RECORD_BLOCK",
+    "MAX_RECORD_SPLITS",
+    "MODES",
+    "TOPK_CANDIDATES",
+    "FallbackReason",
+    "RecordLaunch",
+    "SampledVerifyPlan",
+    "VerifyResult",
+    "chunk_needs_processing",
+    "max_chunk_rows",
+    "record_launch",
+    "record_variant",
+]
+
+MODES = ("fast", "strict")
+
+
+def candidate_capacity(candidates: int) -> int:
+    """Keys at or above a split's selection threshold the record kernel can hold (``4 C``, a
+    power of two); beyond it the split's candidates are unknown and the rows that need them fall
+    back."""
+    return 4 * candidates
+
+
+def selection_groups(candidates: int) -> int:
+    """Lane groups of the record kernel's candidate selection (``2 C``): the threshold is the
+    C-th largest group maximum, so about ``C + C**2 / (2 * groups)`` (``1.25 C``) keys of a split
+    reach it on unstructured rows, well within :func:`candidate_capacity`."""
+    return 2 * candidates
+
+
+def sorting_network(device: torch.device) -> bool:
+    """Whether the selection kernels use Triton's bitonic ``tl.topk`` (compiled, GPU) or rank
+    counting (the CPU interpreter, where the bitonic network is far slower); both give the
+    same keys (``templates/_select.j2``)."""
+    return device.type != "cpu"
+
+
+class FallbackReason(IntEnum):
+    """Why a request came back with ``fallback`` (``VerifyResult.reason``, int8 per request).
+    Codes 1-7 are the top-p / min-p guard's (:class:`shardmax.reference.nucleus.GuardReason`,
+    same numbers); the request carries the reason of the first row its decision used that
+    failed, or ``TOPK_CAPACITY``."""
+
+    NONE = 0
+    NUCLEUS_NAN = 1  # (GuardReason.NAN; such rows are reported as NON_FINITE)
+    NUCLEUS_NOT_COVERED = 2  # the nucleus or the first excluded value is past the candidates
+    NUCLEUS_MASS_MARGIN = 3  # the mass at the boundary is within rounding of p
+    NUCLEUS_TIE_STRADDLE = 4  # the last kept and the first excluded value are equal
+    NUCLEUS_NOT_CONVERGED = 5  # the boundary gap is below vLLM's search resolution
+    MIN_P_NOT_COVERED = 6  # min-p survivors may lie past the candidates
+    MIN_P_MARGIN = 7  # a value within 2 ulp of the min-p threshold
+    LSE_MARGIN = 8  # an acceptance test within the LSE error bound (interval test, §2.3)
+    NON_FINITE = 9  # a used row holds NaN / +inf, no finite logit or no finite kept value
+    TOPK_CAPACITY = 10  # top-k >= the step's C (outputs -1 / 0 / 0)
+    TOPK_BOUNDARY = 11  # k-th value too close to the next one, past the exact prefix, or no
+    # finite kept value known (e.g. a record split's candidates overflowed)
+    NO_KEPT_TOKEN = 12  # the resampled row has no kept id left to draw
+
+
+class VerifyResult(NamedTuple):
+    """Outputs of a sampled verification (identical on every rank)."""
+
+    sampled: torch.Tensor  # int64 [num_reqs, K + 1], -1 at columns >= num_sampled
+    num_sampled: torch.Tensor  # int32 [num_reqs]
+    num_rejected: torch.Tensor  # int32 [num_reqs]
+    fallback: torch.Tensor  # bool [num_reqs]: verify these requests the native way
+    reason: torch.Tensor  # int8 [num_reqs]: FallbackReason, 0 where fallback is False
+
+
+def empty_result(num_reqs: int, k: int, device: torch.device) -> VerifyResult:
+    """Uninitialised outputs of ``num_reqs`` requests."""
+    return VerifyResult(
+        torch.empty((num_reqs, k + 1), dtype=torch.int64, device=device),
+        torch.empty(num_reqs, dtype=torch.int32, device=device),
+        torch.empty(num_reqs, dtype=torch.int32, device=device),
+        torch.empty(num_reqs, dtype=torch.bool, device=device),
+        torch.empty(num_reqs, dtype=torch.int8, device=device),
+    )
+
+
+def record_variant(dtype: torch.dtype, block: int = DEFAULT_RECORD_BLOCK) -> str:
+    """Name of the record kernel for a logits dtype and tile width."""
+    return build_name(VariantKey("sampled_record", dtype=SUPPORTED_DTYPES[dtype], block=block))
+
+
+def record_words(use_fp64_gumbel: bool) -> int:
+    """int64 words per record: key, (m, s), (x[d], flag) + the key's id word in fp64 mode."""
+    return 4 if use_fp64_gumbel else 3
+
+
+MAX_CHUNK_BYTES = 2**30
+"""vLLM's cap on the fp32 logits copy of one verification chunk (``rejection_sampler.py``):
+a chunk holds at most ``max(1, 2**30 // (4 * V))`` logits rows."""
+
+
+def max_chunk_rows(vocab: int) -> int:
+    """Logits rows of one vLLM verification chunk (vLLM 0.32/0.33 ``get_max_chunk_logits``)."""
+    return max(1, MAX_CHUNK_BYTES // (4 * vocab))
+
+
+def chunk_needs_processing(
+    idx_mapping: torch.Tensor,
+    temperature: torch.Tensor,
+    vocab: int,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> bool:
+    """vLLM's chunk gate (``Sampler.apply_sampling_params``, research §1.1): True when a request of
+    the batch needs logits processing -- ``T != 0`` and (``T != 1``, ``min_p != 0``, ``0 < k <
+    V`` or ``top_p != 1``) -- so vLLM verifies an fp32 processed copy; False: it verifies the raw
+    model-dtype logits. Reads the used slots on the host (a device sync). Logits processors
+    (penalties, bias, bad words, custom) also make vLLM process a chunk; shardmax does not see
+    them: a caller that has them passes ``logits_processed=True``."""
+    slots = idx_mapping.long()
+    t = temperature[slots]
+    need = t != 1.0
+    if top_k is not None:
+        k = top_k[slots].long()
+        need |= (k > 0) & (k < vocab)
+    if top_p is not None:
+        need |= top_p[slots] != 1.0
+    if min_p is not None:
+        need |= min_p[slots] != 0.0
+    return bool(((t != 0.0) & need).any())
+
+
+def check_logits_processed(logits_processed: object) -> None:
+    """``logits_processed`` is a Python bool or None (a numpy bool is refused: it would be
+    truthy in every test below and hide a caller's mistake).
+
+    Raises:
+        TypeError: naming the value and its type.
+    """
+    if logits_processed is not None and not isinstance(logits_processed, bool):
+        raise TypeError(
+            f"logits_processed: expected a Python bool or None, got {logits_processed!r} "
+            f"({type(logits_processed).__module__}.{type(logits_processed).__qualname__})"
+        )
+
+
+def resolve_chunk_gate(
+    batch: StepBatch, vocab: int, logits_processed: bool | None, value_checks: bool
+) -> bool:
+    """Strict mode's ``processed`` flag of a batch: ``logits_processed`` when given, else vLLM's
+    chunk gate computed from the sampling tensors (:func:`chunk_needs_processing`, a host read).
+    With ``value_checks`` a given ``False`` is checked against the tensors too.
+
+    Raises:
+        ValueError: ``logits_processed=False`` while a request of the batch needs processing
+            (vLLM never verifies such a chunk raw).
+    """
+    if batch.num_reqs == 0 or batch.temperature is None:
+        return bool(logits_processed)
+    need = None
+    if logits_processed is None or (value_checks and logits_processed is False):
+        need = chunk_needs_processing(
+            batch.idx_mapping, batch.temperature, vocab, batch.top_k, batch.top_p, batch.min_p
+        )
+    if logits_processed is False and need:
+        raise ValueError(
+            "logits_processed: False, but a request of the batch needs logits processing "
+            "(temperature not 0 or 1, or top-k / top-p / min-p active), so vLLM verifies an "
+            "fp32 processed copy of this chunk, never the raw logits"
+        )
+    return bool(need) if logits_processed is None else logits_processed
+
+
+class RecordLaunch(NamedTuple):
+    """How a step runs the record kernel (the same on every rank: it depends on the shape)."""
+
+    variant: str  # sampled_record_<dtype>_b<block>
+    splits: int  # programs per row and rank (S)
+    num_warps: int
+    candidates: int  # C of a candidate step (top-k requests need k < C)
+    source: str  # the table row it came from, "builtin" or "override"
+
+    @classmethod
+    def of(cls, sel: Selection) -> RecordLaunch:
+        return cls(
+            sel.variant,
+            min(sel.splits, MAX_RECORD_SPLITS),
+            int(sel.launch.get("num_warps", 4)),
+            sel.candidates,
+            sel.source,
+        )
+
+
+def check_record_selection(variant: str, dtype: str) -> None:
+    """Raise ValueError unless ``variant`` is a ``sampled_record_*`` name for ``dtype``."""
+    try:
+        key = parse_name(variant)
+    except ValueError:
+        key = None
+    if key is None or key.family != "sampled_record" or key.dtype != dtype:
+        raise ValueError(
+            f"variant: {variant!r} is not a sampled_record_{dtype}_b<block> variant (sampled "
+            "verification runs the record kernel of the logits' dtype; check "
+            "dispatch.override(variant=...) or the selection passed in)"
+        )
+
+
+def record_launch(dtype: torch.dtype, tp: int, rows: int, width: int) -> RecordLaunch:
+    """The dispatcher's ``sampled`` selection for a step of ``rows`` logits rows over ``[rows,
+    W]`` local shards (:func:`shardmax.runtime.dispatch.select` for the current device's arch):
+    ``generated/<arch>/sampled.json`` on a tuned GPU, the built-in rule otherwise (on a CPU
+    always). Keyed by ``(dtype, tp, rows, W)`` and ``align`` = 16 iff ``W % 16 == 0`` -- the padded
+    width, not a tensor's row stride (the record kernel has no alignment variants), so every rank
+    picks the same launch and sends the same number of words.
+
+    Raises:
+        ValueError: the selection does not name a ``sampled_record_*`` variant of ``dtype``
+            (e.g. ``dispatch.override(variant=...)`` forced a greedy variant).
+    """
+    name = SUPPORTED_DTYPES[dtype]
+    sel = select(Problem("sampled", name, tp, rows, width, 16 if width % 16 == 0 else 1))
+    check_record_selection(sel.variant, name)
+    return RecordLaunch.of(sel)
+
+
+def record_splits(rows: int, width: int, block: int, device: torch.device) -> int:
+    """Programs per row of the record kernel under the built-in rule
+    (:func:`shardmax.runtime.defaults.default_record_splits`): about ``TARGET_PROGRAMS`` on a GPU,
+    1 on a CPU. Tokens and counts of requests that are not flagged do not depend on S; which rows
+    the interval test flags can (each split sums its exponentials in fp32)."""
+    target = TARGET_PROGRAMS if device.type == "cuda" else 1
+    return default_record_splits(rows, width, block, target)
+
+
+class RowParams(NamedTuple):
+    """Per logits row of a step (the ``row_params`` kernel's outputs, and vLLM's positions)."""
+
+    temperature: torch.Tensor  # fp32
+    seed: torch.Tensor  # int64
+    draft: torch.Tensor  # int64 global id of the draft the row verifies, -1 if none
+    slot: torch.Tensor  # int64 request-state slot
+    pos: torch.Tensor  # int64 position (the batch's own tensor)
+
+
+def row_params(batch: StepBatch, out: tuple[torch.Tensor, ...] | None = None) -> RowParams:
+    """The per-row parameters of a batch (one ``row_params`` launch; no host sync). ``out``:
+    ``(temperature, seed, draft, slot)`` buffers to write (a plan's workspace), else new ones.
+    The batch must carry ``temperature``."""
+    rows = batch.num_logits
+    dev = batch.draft_sampled.device
+    if out is None:
+        out = (
+            torch.empty(rows, dtype=torch.float32, device=dev),
+            torch.empty(rows, dtype=torch.int64, device=dev),
+            torch.empty(rows, dtype=torch.int64, device=dev),
+            torch.empty(rows, dtype=torch.int64, device=dev),
+        )
+    temp, seed, draft, slot = out
+    res = RowParams(temp, seed, draft, slot, batch.pos)
+    if batch.num_reqs == 0 or rows == 0:
+        return res
+    assert batch.temperature is not None
+    kernels.kernel("row_params")(
+        (batch.num_reqs,),
+        batch.cu_num_logits,
+        batch.idx_mapping,
+        batch.draft_sampled,
+        batch.temperature,
+        batch.seed,
+        res.slot,
+        res.temperature,
+        res.seed,
+        res.draft,
+        rows,
+        batch.num_slots,
+        KP1_P2=triton.next_power_of_2(batch.num_speculative_steps + 1),
+        num_warps=1,
+    )
+    return res
+
+
+def sampled_records(
+    local_logits: torch.Tensor,
+    vocab_start: int,
+    num_valid: int,
+    params: RowParams,
+    launch: RecordLaunch,
+    use_fp64_gumbel: bool,
+    with_candidates: bool,
+    buf: torch.Tensor,
+    scratch: torch.Tensor | None,
+) -> None:
+    """Local stage: ``[rows, W]`` logits -> one rank's records into the flat int64 ``buf``:
+    ``[splits * rows, 3 | 4]`` records (split-major: record ``j * rows + r`` covers split ``j``
+    of row ``r``), and on a candidate step one more record word (the split's smallest finite
+    processed value) followed by ``[splits * rows, C]`` candidates: each split's exact top-``C``
+    packed keys of ``x``. ``scratch``: ``[splits * rows, 4 C]`` int64 workspace of the
+    selection (candidate steps)."""
+    rows = local_logits.shape[0]
+    if rows == 0:
+        return
+    k = kernels.kernel(launch.variant)
+    kernels.check_device(local_logits)
+    splits, c = launch.splits, launch.candidates
+    n_rec = splits * rows * (record_words(use_fp64_gumbel) + with_candidates)
+    chunk = triton.cdiv(triton.cdiv(num_valid, splits), k.module.BLOCK) * k.module.BLOCK
+    k(
+        (rows, splits),
+        local_logits,
+        buf,
+        buf[n_rec:] if with_candidates else buf,
+        scratch if scratch is not None else buf,
+        params.temperature,
+        params.seed,
+        params.pos,
+        params.draft,
+        local_logits.stride(0),
+        vocab_start,
+        num_valid,
+        chunk,
+        BLOCK=k.module.BLOCK,
+        FP64=use_fp64_gumbel,
+        TOPK=with_candidates,
+        CAND=c,
+        CAP=candidate_capacity(c),
+        GROUPS=selection_groups(c),
+        NETWORK=sorting_network(local_logits.device),
+        num_warps=launch.num_warps,
+    )
+
+
+def merge_candidates(
+    gathered: torch.Tensor,
+    splits: int,
+    rows: int,
+    words: int,
+    slot_row: torch.Tensor,
+    batch: StepBatch,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    vocab: int,
+    candidates: int,
+    rows_in_step: int | None = None,
+) -> None:
+    """Every rank, on the gathered ``[tp, n]`` buffers: the merged candidates (``out[0]``, int64
+    ``[rows, C]``, the exact global prefix in (value desc, id asc) order, ``EMPTY_KEY`` after it)
+    and, when a top-p / min-p rule is given, per row ``keep`` (``out[1]``, int32, kept
+    candidates, 0 = no such rule on the row) and ``unsafe`` (``out[2]``, int8, the guard). One
+    ``sampled_merge`` launch. ``rows_in_step`` (default ``rows``) picks the vLLM top-p pipeline
+    the guard models (split up to :data:`SPLIT_PIPELINE_MAX_ROWS` rows, monolithic beyond)."""
+    merged, keep, unsafe = out
+    if rows == 0:
+        return
+    nucleus = batch.top_p is not None or batch.min_p is not None
+    tp, n = gathered.shape
+    kernels.kernel("sampled_merge")(
+        (rows,),
+        gathered,
+        merged,
+        keep,
+        unsafe,
+        slot_row,
+        batch.temperature,
+        batch.top_k if batch.top_k is not None else merged,
+        batch.top_p if batch.top_p is not None else merged,
+        batch.min_p if batch.min_p is not None else merged,
+        rows,
+        rows if rows_in_step is None else rows_in_step,
+        vocab,
+        tp,
+        splits,
+        n,
+        splits * rows * words,
+        CAND=candidates,
+        W=words,
+        MS=2 if words == record_words(True) + 1 else 1,
+        HAS_NUCLEUS=nucleus,
+        HAS_TOPK=batch.top_k is not None,
+        HAS_TOP_P=batch.top_p is not None,
+        HAS_MIN_P=batch.min_p is not None,
+        SPLIT_MAX_ROWS=SPLIT_PIPELINE_MAX_ROWS,
+        NETWORK=sorting_network(gathered.device),
+        num_warps=2,
+    )
+
+
+def sampled_finish(
+    records: torch.Tensor,
+    parts: int,
+    variant: str,
+    vocab: int,
+    batch: StepBatch,
+    use_fp64_gumbel: bool,
+    *,
+    splits: int,
+    rank_words: int,
+    top_k: torch.Tensor | None,
+    candidates: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+    unsafe: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> VerifyResult:
+    """Finish: gathered records -> :class:`VerifyResult` (one program per request).
+
+    ``parts`` = records per row (ranks x ``splits``); part ``e`` of a row starts at word
+    ``(e // splits) * rank_words + (e % splits) * num_logits * W``; ``candidates`` = the merged
+    ``[num_logits, C]`` keys of a candidate step (with ``top_k``: the per-slot top-k, zeros when
+    the batch has none); ``lse`` (fp32 ``[num_logits]``, strict mode) vLLM's LSE of every row,
+    used instead of the records'."""
+    k = batch.num_speculative_steps
+    dev = records.device
+    res = empty_result(batch.num_reqs, k, dev)
+    if batch.num_reqs == 0:
+        return res
+    fallback = res.fallback.view(torch.int8)
+    rates = batch.synthetic_conditional_rates
+    has_prefill = batch.seq_lens is not None and batch.prefill_len is not None
+    if top_k is not None and candidates is None:
+        raise ValueError("candidates: required when top_k is given")
+    dummy = res.num_sampled
+    kernels.kernel(variant)(
+        (batch.num_reqs,),
+        records,
+        candidates if candidates is not None else records,
+        keep if keep is not None else dummy,
+        unsafe if unsafe is not None else dummy,
+        batch.draft_sampled,
+        batch.cu_num_logits,
+        batch.pos,
+        batch.idx_mapping,
+        batch.temperature,
+        batch.seed,
+        top_k if top_k is not None else dummy,
+        rates if rates is not None else res.num_rejected,
+        batch.seq_lens if has_prefill else dummy,
+        batch.prefill_len if has_prefill else dummy,
+        res.sampled,
+        res.num_sampled,
+        res.num_rejected,
+        fallback,
+        res.reason,
+        lse if lse is not None else dummy,
+        batch.num_logits,
+        batch.num_slots,
+        parts,
+        splits,
+        rank_words,
+        vocab,
+        res.sampled.stride(0),
+        K=k,
+        KP1_P2=triton.next_power_of_2(k + 1),
+        FP64=use_fp64_gumbel,
+        SYNTHETIC=rates is not None,
+        HAS_PREFILL=has_prefill,
+        HAS_TOPK=top_k is not None,
+        CAND=candidates.shape[1] if candidates is not None else TOPK_CANDIDATES,
+        HAS_KEEP=keep is not None,
+        STRICT=lse is not None,
+        num_warps=1,
+    )
+    return res
+
+
+class SampledVerifyPlan:
+    """Verification of greedy and sampled requests over ``num_logits`` logits rows (row stride
+    ``row_stride``) of one kind of step: ``mode`` ("fast" | "strict"), fp64 Gumbel or not, with
+    candidates (the batch has top-k / top-p / min-p tensors) or not, and in strict mode vLLM's
+    chunk gate ``processed`` (raw logits, or an fp32 processed copy). Everything that depends only
+    on that -- the dispatcher's record launch, the buffer layout of the exchange, the strict
+    layout of the geometry, the finish variant -- is computed here, once.
+
+    Stages: :meth:`local` (row parameters, records, strict extras) -> the group's all_gather ->
+    :meth:`finish` (merge, strict LSE, finish). :meth:`run` does all three.
+
+    Raises:
+        ValueError: an unknown mode; strict mode with more rows than one vLLM verification chunk
+            (:func:`max_chunk_rows`) or ranks' ranges with a gap (:func:`shardmax.ops.strict.plan`);
+            a ``launch`` that is not a record kernel of the shard's dtype.
+    """
+
+    op = "sampled"
+
+    def __init__(
+        self,
+        ctx: ShardContext,
+        num_logits: int,
+        row_stride: int,
+        *,
+        mode: str = "fast",
+        use_fp64_gumbel: bool = False,
+        with_candidates: bool = False,
+        processed: bool = False,
+        launch: RecordLaunch | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        self.ctx = ctx
+        self.num_logits = rows = num_logits
+        self.row_stride = row_stride
+        self.mode = mode
+        self.use_fp64_gumbel = use_fp64_gumbel
+        self.with_candidates = with_candidates
+        self.processed = processed
+        if launch is None:
+            launch = record_launch(ctx.dtype, ctx.tp, rows, ctx.width)
+        else:
+            check_record_selection(launch.variant, ctx.dtype_name)
+            if not isinstance(launch.splits, int) or not 1 <= launch.splits <= MAX_RECORD_SPLITS:
+                raise ValueError(
+                    f"splits: expected an int in [1, {MAX_RECORD_SPLITS}], got {launch.splits!r}"
+                )
+            if launch.candidates not in CANDIDATE_CHOICES or isinstance(launch.candidates, bool):
+                raise ValueError(
+                    f"candidates: expected one of {CANDIDATE_CHOICES}, got {launch.candidates!r}"
+                )
+        self.launch = launch
+        self.vocab = ctx.geometry.vocab
+        self.words = record_words(use_fp64_gumbel) + with_candidates
+        s, c = launch.splits, launch.candidates
+        self.n_records = s * rows * self.words
+        self.n_words = self.n_records + (s * rows * c if with_candidates else 0)
+        self.strict: strict_mod.StrictLayout | None = None
+        if mode == "strict":
+            if rows > max_chunk_rows(self.vocab):
+                raise ValueError(
+                    f"mode='strict': {rows} logits rows exceed one vLLM verification chunk "
+                    f"({max_chunk_rows(self.vocab)} rows at V={self.vocab}); call once per chunk"
+                )
+            self.strict = strict_mod.StrictLayout(
+                strict_mod.plan(ctx.geometry.ranges),
+                processed,
+                ctx.dtype,
+                row_stride,
+                rows,
+                ctx.device,
+            )
+            self.n_words += self.strict.extras_words
+        self.finish_variant = finish_variant("sampled", ctx.tp * s, "allgather")
+        self._reserve()
+
+    def _reserve(self) -> None:
+        ws, rows, c, s = (
+            self.ctx.workspace,
+            self.num_logits,
+            self.launch.candidates,
+            self.launch.splits,
+        )
+        ws.reserve("sampled.send", 8 * self.n_words)
+        for name in ("row.temp", "row.seed", "row.draft", "row.slot"):
+            ws.reserve(name, 8 * rows)
+        if self.with_candidates:
+            ws.reserve("sampled.scratch", 8 * s * rows * candidate_capacity(c))
+            ws.reserve("sampled.merged", 8 * rows * c)
+            ws.reserve("sampled.keep", 4 * rows)
+            ws.reserve("sampled.unsafe", rows)
+
+    def row_params(self, batch: StepBatch) -> RowParams:
+        """The ``row_params`` launch into the workspace."""
+        ws, rows = self.ctx.workspace, self.num_logits
+        return row_params(
+            batch,
+            (
+                ws.view("row.temp", (rows,), torch.float32),
+                ws.view("row.seed", (rows,), torch.int64),
+                ws.view("row.draft", (rows,), torch.int64),
+                ws.view("row.slot", (rows,), torch.int64),
+            ),
+        )
+
+    def _check_batch(self, batch: StepBatch) -> None:
+        if batch.num_logits != self.num_logits:
+            raise ValueError(
+                f"draft_sampled: {batch.num_logits} logits rows, this plan has {self.num_logits}"
+            )
+        if batch.temperature is None:
+            raise ValueError("temperature: required by sampled verification")
+        has = batch.top_k is not None or batch.top_p is not None or batch.min_p is not None
+        if has != self.with_candidates:
+            raise ValueError(
+                "top_k / top_p / min_p: this plan was made "
+                f"{'with' if self.with_candidates else 'without'} candidates (top-k / top-p / "
+                "min-p tensors); plan the step with the sampling tensors it has"
+            )
+
+    def local(
+        self, local_logits: torch.Tensor, batch: StepBatch, params: RowParams | None = None
+    ) -> torch.Tensor:
+        """This rank's contribution to the all_gather: int64 ``[1, n]`` (records, candidates,
+        strict extras), ``n`` the same on every rank. A view of the workspace: valid until the
+        next run of a plan of this shard."""
+        ctx = self.ctx
+        logits = ctx.check_logits(local_logits, self.num_logits, self.row_stride)
+        self._check_batch(batch)
+        params = params if params is not None else self.row_params(batch)
+        ws, rows = ctx.workspace, self.num_logits
+        buf = ws.view("sampled.send", (self.n_words,), torch.int64)
+        scratch = None
+        if self.with_candidates:
+            cap = candidate_capacity(self.launch.candidates)
+            scratch = ws.view("sampled.scratch", (self.launch.splits * rows, cap), torch.int64)
+        sampled_records(
+            logits, ctx.vocab_start, ctx.num_valid, params, self.launch, self.use_fp64_gumbel,
+            self.with_candidates, buf, scratch,
+        )  # fmt: skip
+        if self.strict is not None:
+            extra = self.strict.extras_words
+            self.strict.rank_extras(
+                ctx.rank, logits, params.temperature, ctx.tp, buf[self.n_words - extra :]
+            )
+        return buf.view(1, -1)
+
+    def exchange(self, sent: torch.Tensor) -> torch.Tensor:
+        return self.ctx.coll.all_gather_dim0(sent)
+
+    def finish(
+        self, gathered: torch.Tensor, batch: StepBatch, params: RowParams | None = None
+    ) -> VerifyResult:
+        """Every rank, on the same ``[tp, n]`` bytes: the :class:`VerifyResult`."""
+        self._check_batch(batch)
+        if batch.num_reqs == 0:
+            return empty_result(0, batch.num_speculative_steps, gathered.device)
+        params = params if params is not None else self.row_params(batch)
+        ws, rows, c = self.ctx.workspace, self.num_logits, self.launch.candidates
+        gathered = gathered.contiguous()
+        cand = keep = unsafe = None
+        top_k = batch.top_k
+        if self.with_candidates:
+            cand = ws.view("sampled.merged", (rows, c), torch.int64)
+            keep_buf = ws.view("sampled.keep", (rows,), torch.int32)
+            unsafe_buf = ws.view("sampled.unsafe", (rows,), torch.int8)
+            merge_candidates(
+                gathered, self.launch.splits, rows, self.words, params.slot, batch,
+                (cand, keep_buf, unsafe_buf), vocab=self.vocab, candidates=c,
+            )  # fmt: skip
+            if batch.top_p is not None or batch.min_p is not None:
+                keep, unsafe = keep_buf, unsafe_buf
+            if top_k is None:  # candidates for top-p / min-p only: top-k off everywhere
+                top_k = self.ctx.zeros_int32(batch.num_slots)
+        lse = None
+        if self.strict is not None:
+            lse = self.strict.lse(
+                gathered, self.n_words - self.strict.extras_words, params.temperature,
+                params.slot, self.vocab, cand, top_k, keep,
+            )  # fmt: skip
+        return sampled_finish(
+            gathered, self.ctx.tp * self.launch.splits, self.finish_variant, self.vocab, batch,
+            self.use_fp64_gumbel, splits=self.launch.splits, rank_words=self.n_words,
+            top_k=top_k, candidates=cand, keep=keep, unsafe=unsafe, lse=lse,
+        )  # fmt: skip
+
+    def run(self, local_logits: torch.Tensor, batch: StepBatch) -> VerifyResult:
+        """One step from this rank's shard; identical on every rank. No host sync; CUDA-graph
+        capturable."""
+        self._check_batch(batch)
+        if batch.num_reqs == 0:
+            self.ctx.check_logits(local_logits, self.num_logits, self.row_stride)
+            return empty_result(0, batch.num_speculative_steps, self.ctx.device)
+        params = self.row_params(batch)
+        return self.finish(self.exchange(self.local(local_logits, batch, params)), batch, params)

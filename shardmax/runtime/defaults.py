@@ -1,0 +1,87 @@
+"""Built-in portable launch rules: what runs where no tuned table row exists.
+
+These are the only launch numbers outside the tuned tables (``generated/<arch>/<op>.json``): the
+fallback of :func:`shardmax.runtime.dispatch.select` for an arch without a table, a CPU, or a
+table's portable rows. They are pure functions of the problem's shape (identical on every rank).
+The constants an op's launchers and the dispatcher's table validation share live here too, so
+the dispatcher never imports an op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+
+TARGET_PROGRAMS = 264
+"""Aim for about 2 programs per SM of a 132-SM GPU in the local stage."""
+MAX_SPLITS = 32
+"""Most programs per row of the greedy local stage (``shard_keys_*``)."""
+
+DEFAULT_RECORD_BLOCK = 2048
+"""Tile of the sampled record kernel (``sampled_record_*``) in the built-in rule; any block gives
+the same keys."""
+MAX_RECORD_SPLITS = 32
+"""Most programs per row of the sampled record kernel."""
+TOPK_CANDIDATES = 64
+"""C of the built-in rule: candidates per row and record split (a power of two). Requests with
+top-k ``k < C`` run sharded, larger ``k`` come back in ``fallback``. A table row's
+``launch["candidates"]`` (one of :data:`CANDIDATE_CHOICES`) sets the C of a step; it depends only
+on the step's shape, so a captured CUDA graph never reallocates."""
+CANDIDATE_CHOICES = (32, 64, 128)
+"""The C a table row may select (the tuner's ``candidates`` axis)."""
+SPLIT_PIPELINE_MAX_ROWS = 64
+"""vLLM's top-p pipeline choice (``apply_top_k_top_p_triton``, research §1.1): a step of at most
+this many logits rows without an active top-k runs the split pipeline, a larger one the
+monolithic kernel. The nucleus guard models the one vLLM would run."""
+
+
+def default_record_splits(rows: int, width: int, block: int, target_programs: int) -> int:
+    """Programs per row of the record kernel (a power of two): about ``target_programs``
+    programs in all, at most :data:`MAX_RECORD_SPLITS`, and at least two tiles of ``block``
+    columns per split. ``width`` is the padded shard width, the same on every rank (so is the
+    result, as the all_gather needs)."""
+    if rows <= 0:
+        return 1
+    cap = min(triton.cdiv(target_programs, rows), max(1, width // (2 * block)))
+    s = 1
+    while s * 2 <= min(cap, MAX_RECORD_SPLITS):
+        s *= 2
+    return s
+
+
+def builtin_launch(
+    op: str, dtype: str, rows: int, width: int, align: int, target_programs: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(variant axes, launch)`` of the portable rule for one problem.
+
+    Greedy local stage (ops ``argmax`` / ``verify``): block 4096 (1024 for narrow shards), about
+    ``target_programs`` programs, 8 warps (4 at block 1024), all_gather. Op ``sampled``: the record
+    kernel at block :data:`DEFAULT_RECORD_BLOCK`, 4 warps, C = :data:`TOPK_CANDIDATES` and
+    :func:`default_record_splits` programs per row. ``target_programs`` is 1 on a CPU (the
+    interpreter runs programs one after another; more splits only cost time).
+    """
+    if op == "sampled":
+        splits = default_record_splits(rows, width, DEFAULT_RECORD_BLOCK, target_programs)
+        axes = {"family": "sampled_record", "dtype": dtype, "block": DEFAULT_RECORD_BLOCK}
+        launch = {
+            "splits": splits,
+            "num_warps": 4,
+            "candidates": TOPK_CANDIDATES,
+            "transport": "allgather",
+        }
+        return axes, launch
+    block = 4096 if width >= 4096 else 1024
+    max_splits = max(1, triton.cdiv(width, block))
+    want = triton.cdiv(target_programs, max(rows, 1))
+    splits = 1
+    while splits * 2 <= min(want, max_splits, MAX_SPLITS):
+        splits *= 2
+    axes = {"family": "shard_keys", "dtype": dtype, "align": align, "block": block}
+    launch = {
+        "splits": splits,
+        "num_warps": 8 if block >= 4096 else 4,
+        "num_stages": 2,
+        "transport": "allgather",
+    }
+    return axes, launch

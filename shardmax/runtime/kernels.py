@@ -1,0 +1,157 @@
+"""Loading and launching the generated kernel variants (``shardmax.generated.<variant name>``).
+
+:func:`load` imports a variant's module; :class:`Kernel` launches its jitted function. Nothing
+here decides anything: the variant, grid and launch parameters come from the caller (a plan of
+:mod:`shardmax.ops`, which got them from :func:`shardmax.runtime.dispatch.select`).
+
+Host cost. vLLM calls verification eagerly every step, so the Python cost of a launch counts as
+much as the GPU time. Triton's own ``kernel[grid](...)`` binds the arguments, reads its knobs,
+builds a specialisation key and looks up the compiled kernel on every call. :class:`Kernel`
+does that once per argument *signature* (each tensor's dtype and 16-byte alignment, each
+specialised integer's ``== 1`` / ``% 16`` / 32-bit facts, the constexprs): the first launch with
+a new signature goes through Triton (which compiles or finds the binary), later launches with
+the same signature call the compiled kernel's launcher directly. The signature is at least as
+fine as Triton's own specialisation, so the binary is always the one Triton would pick.
+``SHARDMAX_DIRECT_LAUNCH=0`` turns the direct path off (every launch through Triton). Under the
+Triton interpreter (CPU tensors) every launch goes through Triton, inside
+``numpy.errstate`` that hides the RuntimeWarnings of lanes that are computed and then discarded
+(``-inf - -inf`` in masked lanes, ``x / T`` of greedy rows): the interpreter evaluates every lane
+of a ``tl.where`` in numpy, the compiled kernel never computes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardmax.runtime.variants import parse_name
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+"""Whether Triton was imported with the interpreter on (it must be set before Triton loads)."""
+_DIRECT = os.environ.get("SHARDMAX_DIRECT_LAUNCH", "1") != "0"
+
+
+def check_device(t: torch.Tensor) -> None:
+    """CPU tensors run only in the Triton interpreter, which must be on before Triton loads.
+
+    Raises:
+        RuntimeError: a CPU tensor while ``TRITON_INTERPRET=1`` was not set at import.
+    """
+    if t.device.type == "cpu" and not INTERPRET:
+        raise RuntimeError(
+            "shardmax kernels got CPU tensors but the Triton interpreter is off: set "
+            "TRITON_INTERPRET=1 in the environment before importing shardmax/triton (or move "
+            "the tensors to a GPU)"
+        )
+
+
+@functools.cache
+def load(name: str) -> ModuleType:
+    """The generated module of a variant (validated name).
+
+    Raises:
+        ValueError: a malformed name, or a variant that is not generated.
+    """
+    parse_name(name)
+    try:
+        return importlib.import_module(f"shardmax.generated.{name}")
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"variant {name!r} is not in shardmax.generated; run `python -m generator`"
+        ) from e
+
+
+def _knobs() -> Any:
+    try:
+        from triton import knobs
+
+        return knobs.runtime
+    except Exception:  # a Triton without knobs: no direct path
+        return None
+
+
+def _arg_key(v: Any, specialize: bool) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() % 16 == 0)
+    if isinstance(v, bool) or v is None:
+        return v
+    if isinstance(v, int):
+        wide = not -(2**31) <= v < 2**31
+        return (wide, v == 1, v % 16 == 0) if specialize else (wide,)
+    return type(v)
+
+
+class Kernel:
+    """One generated variant's jitted function with a cheap repeated launch (module docstring).
+
+    ``Kernel(name)(grid, *args, **constexprs)`` launches ``kernel[grid](*args, **constexprs)``;
+    ``num_warps`` / ``num_stages`` among the keywords are launch options, as in Triton.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.module = load(name)
+        self.fn = self.module.kernel
+        params = getattr(self.fn, "params", None)
+        self._names: Sequence[str] = tuple(getattr(self.fn, "arg_names", ()))
+        self._dns = tuple(bool(getattr(p, "do_not_specialize", False)) for p in params or ())
+        self._compiled: dict[Any, Any] = {}
+        self._direct = _DIRECT and not INTERPRET and len(self._dns) == len(self._names) > 0
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r})"
+
+    def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        if not self._direct or not args or not isinstance(args[0], torch.Tensor):
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                self.fn[grid](*args, **kwargs)
+            return
+        if args[0].device.type != "cuda":
+            check_device(args[0])
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                self.fn[grid](*args, **kwargs)
+            return
+        values = list(args)
+        n = len(values)
+        for name in self._names[n:]:
+            if name not in kwargs:  # a default value: bound by Triton, not part of our key
+                return self._slow(grid, args, kwargs, None)
+            values.append(kwargs[name])
+        key = (
+            tuple(_arg_key(v, not d) for v, d in zip(values, self._dns, strict=True)),
+            tuple(values[i] for i in range(n, len(values))),
+            kwargs.get("num_warps"),
+            kwargs.get("num_stages"),
+            torch.cuda.current_device(),
+        )
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            return self._slow(grid, args, kwargs, key)
+        knobs = _knobs()
+        stream = torch.cuda.current_stream().cuda_stream
+        g = ((*tuple(grid), 1, 1))[:3]
+        enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+        meta = compiled.launch_metadata(grid, stream, *values) if enter is not None else None
+        compiled.run(
+            g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, meta,
+            enter, leave, *values,
+        )  # fmt: skip
+
+    def _slow(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: Any, key: Any) -> None:
+        compiled = self.fn[grid](*args, **kwargs)
+        if key is not None and _knobs() is not None and hasattr(compiled, "packed_metadata"):
+            self._compiled[key] = compiled
+
+
+@functools.cache
+def kernel(name: str) -> Kernel:
+    """The :class:`Kernel` of a variant (one per process, so its compiled-launch cache is shared
+    by every plan)."""
+    return Kernel(name)
