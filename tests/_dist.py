@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -44,17 +45,32 @@ def _worker(
         raise
 
 
-def run_ranks(fn: Callable[..., None], world_size: int, backend: str, *args: Any) -> None:
-    """Spawn ``world_size`` ranks running ``fn``; raise AssertionError with rank tracebacks."""
+def run_ranks(
+    fn: Callable[..., None], world_size: int, backend: str, *args: Any, timeout: float = 600.0
+) -> None:
+    """Spawn ``world_size`` ranks running ``fn``; raise AssertionError with rank tracebacks, or
+    after ``timeout`` seconds (a rank left behind in a collective: the ranks are killed)."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         try:
-            mp.spawn(
+            ctx = mp.spawn(
                 _worker,
                 args=(world_size, backend, init_file, tmp, fn, args),
                 nprocs=world_size,
-                join=True,
+                join=False,
             )
+            deadline = time.monotonic() + timeout
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for proc in ctx.processes:
+                        if proc.is_alive():
+                            proc.kill()
+                    raise AssertionError(
+                        f"ranks still running after {timeout:.0f} s: a rank was left behind in "
+                        "a collective (hang)"
+                    )
+        except AssertionError:
+            raise
         except Exception as e:
             logs = [
                 Path(tmp, p).read_text() for p in sorted(os.listdir(tmp)) if p.startswith("rank")

@@ -165,3 +165,86 @@ def test_nccl_two_gpus_parity_eager_and_graphed(vocab: int) -> None:
 @pytest.mark.multigpu
 def test_nccl_geometry_mismatch_raises_on_every_rank() -> None:
     run_ranks(_mismatch_body, 2, "nccl", "cuda")
+
+
+# ---------------------------------------------------- geometry changed on one rank, later
+GEOMETRY_FIELDS = ("num_valid", "vocab_start", "width", "dtype", "rows")
+
+
+def _later_change_body(rank: int, world: int, field: str) -> None:
+    """Every rank makes a good call, then one rank alone changes one geometry field: every rank
+    must raise the same ValueError (never a hang, never a garbage id), and a good call after it
+    works again on every rank."""
+    group = dist.group.WORLD
+    width, rows = 128, 4
+
+    def call(changed: bool) -> torch.Tensor:
+        w, r, dtype = width, rows, torch.float32
+        start, num_valid = rank * width, width
+        if changed and rank == world - 1:
+            if field == "num_valid":
+                num_valid = width - 3
+            elif field == "vocab_start":
+                start -= 7  # overlaps the previous rank's range
+            elif field == "width":
+                w = width + 16
+            elif field == "dtype":
+                dtype = torch.bfloat16
+            elif field == "rows":
+                r = rows + 1
+        x = torch.randn(r, w, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        return shardmax.vocab_parallel_argmax(
+            x, vocab_start=start, num_valid=num_valid, group=group
+        )
+
+    call(False)
+    if field == "num_valid":  # a legal geometry (a shorter last shard): every rank agrees
+        ids = call(True)
+        _same_on_all_ranks(ids, world)
+        parts = [torch.randn(rows, width, generator=torch.Generator().manual_seed(r))
+                 for r in range(world)]  # fmt: skip
+        parts[-1] = parts[-1][:, : width - 3]
+        assert torch.equal(ids, torch.cat(parts, dim=1).argmax(dim=-1))
+        return
+    with pytest.raises(ValueError, match="shard geometry mismatch") as info:
+        call(True)
+    messages = [None] * world
+    dist.all_gather_object(messages, str(info.value))
+    assert len(set(messages)) == 1, messages  # the same error on every rank
+    call(False)
+
+
+def _peer_refusal_body(rank: int, world: int) -> None:
+    """One rank's own inputs are refused (a wrong dtype, a wrong draft shape): that rank raises
+    its own error, every other rank raises too instead of waiting in the step's collective."""
+    group = dist.group.WORLD
+    b = random_verify_batch(3, 2, 256 * world, seed=1, prefill_prob=0.0)
+    shard = shard_like_vllm(b.logits, world)[rank]
+    args = list(b.args())
+    if rank == 1:
+        args[0] = args[0][:-1]  # draft_sampled one row short
+    if rank == 1:
+        with pytest.raises(ValueError, match="draft_sampled"):
+            shardmax.sharded_greedy_verify(
+                shard.local_logits, *args, vocab_start=shard.vocab_start,
+                num_valid=shard.num_valid, group=group, **b.kwargs(),
+            )  # fmt: skip
+    else:
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] refused their inputs"):
+            shardmax.sharded_greedy_verify(
+                shard.local_logits, *args, vocab_start=shard.vocab_start,
+                num_valid=shard.num_valid, group=group, **b.kwargs(),
+            )  # fmt: skip
+    x = torch.zeros(2, 64, dtype=torch.float64 if rank == 0 else torch.float32)
+    with pytest.raises((TypeError, ValueError)):
+        shardmax.vocab_parallel_argmax(x, vocab_start=64 * rank, group=group)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("field", GEOMETRY_FIELDS)
+def test_gloo_geometry_changed_on_one_rank_at_a_later_call(world: int, field: str) -> None:
+    run_ranks(_later_change_body, world, "gloo", field, timeout=240)
+
+
+def test_gloo_a_rank_refusing_its_inputs_stops_every_rank() -> None:
+    run_ranks(_peer_refusal_body, 2, "gloo", timeout=240)

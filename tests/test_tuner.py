@@ -249,7 +249,10 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch, capsys):
         keys = real(logits, vocab_start, num_valid, sel, *args, **kwargs)
         return keys ^ 1 if sel.splits == 2 else keys
 
-    monkeypatch.setattr(objective, "shard_keys", broken)
+    import shardmax.ops.argmax as argmax_op
+
+    monkeypatch.setattr(objective, "shard_keys", broken)  # the timed path
+    monkeypatch.setattr(argmax_op, "shard_keys", broken)  # the gate's emulated ranks
     studies, out = tmp_path / "studies", tmp_path / "out"
     argv = [
         "--op",

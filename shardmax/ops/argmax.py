@@ -89,8 +89,8 @@ def argmax_pick(
 
 def check_local_selection(sel: Selection, op: str, dtype: str, align: int) -> None:
     """A selection for a greedy op names ``plain`` or a ``shard_keys_*`` variant of the logits'
-    dtype whose alignment the logits have (a forced ``va16`` on a row stride that is not a
-    multiple of 16 would issue misaligned vector loads).
+    dtype (either alignment: a ``va16`` variant launched on a row stride that is not a multiple
+    of 16 is compiled without that divisibility, as Triton specialises on the actual stride).
 
     Raises:
         ValueError: naming the variant and what the op expected.
@@ -98,11 +98,11 @@ def check_local_selection(sel: Selection, op: str, dtype: str, align: int) -> No
     if sel.variant == PLAIN:
         return
     key = parse_name(sel.variant)
-    if key.family != "shard_keys" or key.dtype != dtype or (key.align or 1) > align:
+    if key.family != "shard_keys" or key.dtype != dtype:
         raise ValueError(
-            f"variant: {sel.variant!r} cannot run op {op} on {dtype} logits with row-stride "
-            f"alignment {align}: expected plain or shard_keys_{dtype}_va{align}_b<block> (or "
-            "va1); check dispatch.override(variant=...) or the selection passed in"
+            f"variant: {sel.variant!r} cannot run op {op} on {dtype} logits: expected plain or "
+            f"shard_keys_{dtype}_va<{align} or 1>_b<block>; check dispatch.override(variant=...) "
+            "or the selection passed in"
         )
 
 

@@ -98,6 +98,12 @@ def selection_groups(candidates: int) -> int:
     return 2 * candidates
 
 
+CANDIDATE_CAPACITY = candidate_capacity(TOPK_CANDIDATES)
+""":func:`candidate_capacity` of the default C (256)."""
+SELECTION_GROUPS = selection_groups(TOPK_CANDIDATES)
+""":func:`selection_groups` of the default C (128)."""
+
+
 def sorting_network(device: torch.device) -> bool:
     """Whether the selection kernels use Triton's bitonic ``tl.topk`` (compiled, GPU) or rank
     counting (the CPU interpreter, where the bitonic network is far slower); both give the

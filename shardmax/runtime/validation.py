@@ -300,8 +300,8 @@ def check_batch_values(
         for name, t in per_slot.items():
             if t is not None and (lo < 0 or hi >= t.shape[0]):
                 raise ValueError(
-                    f"idx_mapping: request-state slots must be in [0, {t.shape[0]}) (the slots "
-                    f"of {name}), got [{lo}, {hi}]"
+                    f"idx_mapping: values must be in [0, {t.shape[0]}) (request-state slots of "
+                    f"{name}), got [{lo}, {hi}]"
                 )
     if batch.draft_sampled.numel():
         lo, hi = int(batch.draft_sampled.min()), int(batch.draft_sampled.max())
