@@ -310,32 +310,58 @@ def _short(value: Any) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
+_TABLE_INFO: dict[int, tuple[Mapping[str, Rule], frozenset[str], tuple[tuple[str, Rule], ...]]] = {}
+_METHODS_OK: dict[tuple[type, tuple[str, ...]], tuple[Any, ...]] = {}
+
+
+def _table_info(table: Mapping[str, Rule]) -> tuple[frozenset[str], tuple[tuple[str, Rule], ...]]:
+    info = _TABLE_INFO.get(id(table))
+    if info is None or info[0] is not table:
+        checked = tuple((n, r) for n, r in table.items() if r.harmless is not None)
+        info = _TABLE_INFO[id(table)] = (table, frozenset(table), checked)
+    return info[1], info[2]
+
+
 def check_fields(obj: Any, cls_name: str, table: Mapping[str, Rule], series: str) -> str | None:
     """The refusal reason of ``obj``'s instance fields against ``table``, or ``None``.
 
     A known field failing its rule: ``"<why> (<cls>.<field>=<value>)"``; a field the table does
     not know, with a value that is not :func:`is_off`: ``"unknown <cls> field <field>=<value>
-    (not in shardmax's table for vLLM <series>)"``."""
+    (not in shardmax's table for vLLM <series>)"``. Per step this costs a key-set comparison and
+    the tables' checked rules (every field is looked at only when an unknown one is present)."""
     try:
         fields = vars(obj)
     except TypeError:
         return None
-    for name, value in fields.items():
-        rule = table.get(name)
-        if rule is None:
-            if not is_off(value):
+    known, checked = _table_info(table)
+    if not fields.keys() <= known:
+        for name, value in fields.items():
+            if name not in known and not is_off(value):
                 return (
                     f"unknown {cls_name} field {name}={_short(value)} (not in shardmax's table "
                     f"for vLLM {series})"
                 )
-        elif rule.harmless is not None and not rule.harmless(value):
-            return f"{rule.why} ({cls_name}.{name}={_short(value)})"
+    for name, rule in checked:
+        if name in fields:
+            value = fields[name]
+            assert rule.harmless is not None
+            if not rule.harmless(value):
+                return f"{rule.why} ({cls_name}.{name}={_short(value)})"
     return None
 
 
 def check_methods(cls: type, cls_name: str, known: tuple[str, ...], series: str) -> str | None:
     """The refusal reason of ``cls``'s own methods, or ``None``: a method not in ``known``, or one
-    whose ``__module__`` is not the class's (patched from outside vLLM)."""
+    whose ``__module__`` is not the class's (patched from outside vLLM). A class whose attributes
+    are the very objects of its last passing check is not walked again."""
+    current = tuple(vars(cls).values())
+    last = _METHODS_OK.get((cls, known))
+    if (
+        last is not None
+        and len(last) == len(current)
+        and all(a is b for a, b in zip(last, current, strict=True))
+    ):
+        return None
     for name, attr in vars(cls).items():
         fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
         if isinstance(fn, property):
@@ -346,6 +372,7 @@ def check_methods(cls: type, cls_name: str, known: tuple[str, ...], series: str)
             return f"unknown {cls_name} method {name} (not in shardmax's table for vLLM {series})"
         if getattr(fn, "__module__", None) != cls.__module__:
             return f"{cls_name}.{name} is patched (defined in {getattr(fn, '__module__', None)})"
+    _METHODS_OK[(cls, known)] = current
     return None
 
 
