@@ -775,3 +775,15 @@ def test_gate_logits_processors_and_thinking_budget_fall_back(what):
         sampler.logits_processors.append(type("MyProcessor", (), {})())
     d = _decide(runner, batch, allow_temperature=True)
     assert d.reason == "logits processors active (bias/penalties/bad words/min_tokens)"
+
+
+def test_is_off():
+    import numpy as np
+
+    from shardmax.integrations.vllm.gate import is_off
+
+    for v in (None, False, 0, 0.0, -0.0, "", b"", (), [], {}, set(), np.int64(0), np.bool_(False)):
+        assert is_off(v), v
+    for v in (True, 1, -1, 0.3, float("nan"), "standard", (0,), [None], np.float32(0.5),
+              np.zeros(1), torch.zeros(()), object()):  # fmt: skip
+        assert not is_off(v), v
