@@ -77,6 +77,14 @@ def _no(reason: str) -> ShardDecision:
     return ShardDecision(False, reason)
 
 
+def _is_nan(v: object) -> bool:
+    """Whether ``v`` is a NaN (Python / NumPy float); ints and other values are not."""
+    try:
+        return bool(v != v)
+    except Exception:
+        return False
+
+
 def can_shard_verify(
     *,
     temperatures: Sequence[float],
@@ -134,10 +142,13 @@ def can_shard_verify(
         (non-greedy request)")``.
 
     Raises:
-        ValueError: ``allow_top_k`` without ``allow_temperature``, or ``candidates`` not one of
-            :data:`shardmax.ops.sampled.CANDIDATE_CHOICES`. TypeError: ``candidates`` not an int.
-            Otherwise nothing for well-typed input: every failing rule is reported in the
-            decision.
+        ValueError: ``allow_top_k`` without ``allow_temperature``; ``candidates`` not one of
+            :data:`shardmax.runtime.defaults.CANDIDATE_CHOICES`; a NaN in ``top_k`` / ``top_p`` /
+            ``min_p`` (named with its index: no value of these means NaN, and vLLM refuses
+            them at the API, so a NaN is a caller bug, not a request to fall back on).
+            TypeError: ``candidates`` not an int. Otherwise nothing for well-typed input: every
+            failing rule is reported in the decision, a NaN temperature included (vLLM's API
+            does not refuse one, so it must send the step to vLLM's path, not raise).
     """
     if allow_top_k and not allow_temperature:
         raise ValueError("allow_top_k=True needs allow_temperature=True (top-k rows are sampled)")
@@ -148,6 +159,16 @@ def can_shard_verify(
             raise TypeError(f"candidates: expected an int, got {type(candidates).__name__}")
         if candidates not in CANDIDATE_CHOICES:
             raise ValueError(f"candidates: expected one of {CANDIDATE_CHOICES}, got {candidates}")
+    for name, values in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if values is None:
+            continue
+        for i, v in enumerate(values):
+            if _is_nan(v):
+                raise ValueError(
+                    f"{name}[{i}]={v}: NaN is not a valid {name.replace('_', '-')} value "
+                    "(expected a number; disabled is top_k <= 0 or >= vocab_size, top_p 1.0, "
+                    "min_p 0.0)"
+                )
     for i, t in enumerate(temperatures):
         if t == 0.0:
             continue

@@ -172,3 +172,39 @@ def test_allow_top_k_admits_candidates_sized_k():
     assert not d and "top-p active" in str(d.reason)
     with pytest.raises(ValueError, match="allow_top_k"):
         can_shard_verify(temperatures=[0.7], allow_top_k=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"top_k": [-1, float("nan")]}, r"top_k\[1\]=nan"),
+        ({"top_k": [float("nan")], "vocab_size": 32000}, r"top_k\[0\]=nan"),
+        ({"top_p": [1.0, 1.0, float("nan")]}, r"top_p\[2\]=nan"),
+        ({"min_p": [float("nan")]}, r"min_p\[0\]=nan"),
+    ],
+)
+@pytest.mark.parametrize("allow_temperature", [False, True])
+def test_nan_sampling_parameter_raises(kwargs, name, allow_temperature):
+    """Regression: ``top_k=[nan]`` answered ok (``nan > 0`` is False, so it read as "disabled").
+    A NaN top-k / top-p / min-p is refused with a ValueError naming the argument and index."""
+    with pytest.raises(ValueError, match=name + ": NaN is not a valid"):
+        can_shard_verify(temperatures=[0.0] * 3, allow_temperature=allow_temperature, **kwargs)
+
+
+def test_nan_numpy_values_raise_too():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match=r"top_k\[0\]=nan"):
+        can_shard_verify(temperatures=[0.0], top_k=[np.float32("nan")])
+    with pytest.raises(ValueError, match=r"top_p\[0\]=nan"):
+        can_shard_verify(temperatures=[0.0], top_p=np.asarray([np.nan], dtype=np.float32).tolist())
+
+
+def test_nan_temperature_stays_a_refusal_reason():
+    """vLLM's API does not refuse a NaN temperature (``nan < 0`` is False): the gate must send
+    such a step to vLLM's own path, not raise."""
+    assert can_shard_verify(temperatures=[float("nan")]).reason == (
+        "temperature[0]=nan != 0 (non-greedy request)"
+    )
+    assert can_shard_verify(temperatures=[float("nan")], allow_temperature=True).reason == (
+        "temperature[0]=nan is not a finite value >= 0"
+    )

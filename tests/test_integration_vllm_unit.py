@@ -1,8 +1,11 @@
 """Unit tests of ``shardmax.integrations.vllm`` that run without vLLM.
 
-The hooks' vLLM-facing behaviour is covered end to end by ``tests/e2e_vllm``; here: the module
-imports without vLLM, ``install()`` is inert without ``SHARDMAX_VLLM=1``, and
-``get_top_tokens`` / ``rejection_sample_sharded`` agree with torch on fake vLLM objects (TP=1).
+The hooks' vLLM-facing behaviour is covered end to end by ``tests/e2e_vllm`` (a real 0.32 engine;
+the surface test on real 0.32 and 0.33 objects); here: the package imports without vLLM,
+``install()`` is inert without ``SHARDMAX_VLLM=1`` and handles the vLLM version both ways (a
+fake ``vllm`` package), ``get_top_tokens`` / ``rejection_sample_sharded`` agree with torch on
+fake vLLM objects (TP=1; the 0.33 call with its ``fly_*`` arguments, FLy refused), the allow-list
+gate names every feature it refuses on stand-in classes, and warm-up steps are counted apart.
 """
 
 from __future__ import annotations
@@ -270,3 +273,517 @@ def test_rejection_sample_sharded_refuses_unsupported_modes():
         smv.rejection_sample_sharded(*args, use_block_verification=True, vocab_start=0)
     with pytest.raises(ValueError, match="watermark"):
         smv.rejection_sample_sharded(*args, watermark_key=5, vocab_start=0)
+
+
+def test_rejection_sample_sharded_takes_the_033_call_and_refuses_fly():
+    """vLLM 0.33's ``rejection_sample`` appends fly_window_size / fly_entropy_threshold /
+    fly_entropy_top_k: the 0.33 call fits (window 0 == plain verification), FLy is refused."""
+    vocab, k = 50, 3
+    logits, draft, cu, pos, idx, local, seeds = _batch([4, 3, 1], vocab)
+    args = (logits, None, draft, cu, pos, idx, idx, local, torch.zeros(8), seeds, k)
+    base, base_num = smv.rejection_sample_sharded(*args, vocab_start=0, num_valid=vocab)
+    # positional, as 0.33's signature orders them (after the 4 watermark arguments)
+    got, got_num = smv.rejection_sample_sharded(
+        *args, None, False, False, None, None, None, None, 0, 0.3, 3, vocab_start=0,
+        num_valid=vocab,
+    )  # fmt: skip
+    assert torch.equal(got, base) and torch.equal(got_num, base_num)
+    got, got_num = smv.rejection_sample_sharded(
+        *args, fly_window_size=0, fly_entropy_threshold=0.9, fly_entropy_top_k=5, vocab_start=0,
+        num_valid=vocab,
+    )  # fmt: skip
+    assert torch.equal(got, base) and torch.equal(got_num, base_num)
+    with pytest.raises(ValueError, match=r"FLy verification \(fly_window_size=2"):
+        smv.rejection_sample_sharded(*args, fly_window_size=2, vocab_start=0)
+
+
+# --------------------------------------------------------------------------------------------
+# version handling
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("v", "parsed", "supported"),
+    [
+        ("0.32.0", (0, 32, 0), True),
+        ("0.32.0+cpu", (0, 32, 0), True),
+        ("0.33.0", (0, 33, 0), True),
+        ("0.33.2.dev4+g1234", (0, 33, 2), True),
+        ("0.31.9", (0, 31, 9), False),
+        ("0.34.0rc1", (0, 34, 0), False),
+        ("1.0", (1, 0, 0), False),
+        ("dev", None, False),
+    ],
+)
+def test_version_parsing(v, parsed, supported):
+    from shardmax.integrations.vllm import version
+
+    assert version.parse_version(v) == parsed
+    assert version.is_supported(v) is supported
+    expect_table = f"{parsed[0]}.{parsed[1]}" if supported else version.SUPPORTED_VLLM_SERIES[-1]
+    assert version.table_series(v) == expect_table
+
+
+def _fake_vllm(monkeypatch, ver: str):
+    """A minimal ``vllm`` package in ``sys.modules``: the classes / functions install() patches
+    or looks up, and ``__version__ = ver``."""
+    import types
+
+    def mod(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+        parent, _, leaf = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], leaf, m)
+        return m
+
+    class LogitsProcessor:
+        def get_top_tokens(self, lm_head, hidden_states, embedding_bias=None):
+            return "original get_top_tokens"
+
+        def _apply_head(self, lm_head, hidden_states, embedding_bias):
+            return hidden_states
+
+    class GPUModelRunner:
+        def sample(self, hidden_states, input_batch, grammar_output):
+            return "original sample"
+
+    mod("vllm", __version__=ver)
+    mod("vllm.model_executor")
+    mod("vllm.model_executor.layers")
+    mod("vllm.model_executor.layers.logits_processor", LogitsProcessor=LogitsProcessor)
+    for name in ("vllm.v1", "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.sample"):
+        mod(name)
+    mod("vllm.v1.worker.gpu.model_runner", GPUModelRunner=GPUModelRunner)
+    mod("vllm.v1.worker.gpu.sample.output", SamplerOutput=object)
+    mod("vllm.v1.worker.gpu.spec_decode")
+    mod(
+        "vllm.v1.worker.gpu.spec_decode.rejection_sampler",
+        RejectionSampler=object,
+        gather_draft_sampled=lambda *a: a,
+    )
+    return LogitsProcessor, GPUModelRunner
+
+
+@pytest.fixture
+def _plugin_on(monkeypatch):
+    monkeypatch.setenv("SHARDMAX_VLLM", "1")
+    monkeypatch.delenv("SHARDMAX_VLLM_ALLOW_UNVERIFIED", raising=False)
+    yield
+    smv.uninstall()
+
+
+@pytest.mark.parametrize("ver", ["0.32.0", "0.32.3", "0.33.0", "0.33.1"])
+def test_install_patches_a_supported_version(monkeypatch, _plugin_on, ver):
+    lp, runner = _fake_vllm(monkeypatch, ver)
+    orig_sample = runner.sample
+    smv.install()
+    assert smv.is_installed()
+    assert runner.sample is not orig_sample and runner.sample.__wrapped__ is orig_sample
+    assert lp.get_top_tokens.__shardmax_hook__
+    assert smv.stats()["disabled"] is None
+    smv.uninstall()
+    assert runner.sample is orig_sample and not smv.is_installed()
+
+
+@pytest.mark.parametrize("ver", ["0.31.0", "0.34.0", "1.0.0"])
+def test_install_refuses_an_unsupported_version_loudly(monkeypatch, _plugin_on, caplog, ver):
+    lp, runner = _fake_vllm(monkeypatch, ver)
+    orig_sample, orig_gtt = runner.sample, lp.get_top_tokens
+    with caplog.at_level(logging.WARNING, logger="shardmax.integrations.vllm"):
+        smv.install()
+    assert not smv.is_installed()
+    assert runner.sample is orig_sample and lp.get_top_tokens is orig_gtt  # nothing patched
+    msg = " ".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert f"vLLM {ver} is not a supported version" in msg
+    assert "NOT installed" in msg and "SHARDMAX_VLLM_ALLOW_UNVERIFIED=1" in msg
+    assert "0.32.x, 0.33.x" in msg
+    assert f"vLLM {ver} is not a supported version" in smv.stats()["disabled"]
+
+
+def test_install_unverified_version_with_override(monkeypatch, _plugin_on, caplog):
+    _, runner = _fake_vllm(monkeypatch, "0.34.0")
+    monkeypatch.setenv("SHARDMAX_VLLM_ALLOW_UNVERIFIED", "1")
+    orig_sample = runner.sample
+    with caplog.at_level(logging.WARNING, logger="shardmax.integrations.vllm"):
+        smv.install()
+    assert smv.is_installed() and runner.sample.__wrapped__ is orig_sample
+    msg = " ".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert "vLLM 0.34.0 is not a verified version" in msg
+    assert "checked against the tables of vLLM 0.33" in msg
+    monkeypatch.setenv("SHARDMAX_VLLM_ALLOW_UNVERIFIED", "0")  # only "1" counts
+    smv.uninstall()
+    smv.install()
+    assert not smv.is_installed()
+
+
+def test_install_without_version_string_raises(monkeypatch, _plugin_on):
+    _fake_vllm(monkeypatch, "0.33.0")
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", None)
+    with pytest.raises(RuntimeError, match=r"cannot read vLLM's version.*0\.33\.x"):
+        smv.install()
+
+
+# --------------------------------------------------------------------------------------------
+# the allow-list gate on stand-ins (real vLLM objects: tests/e2e_vllm/test_vllm_surface.py)
+# --------------------------------------------------------------------------------------------
+
+_V = 1000
+
+
+class RejectionSampler:
+    """Stand-in class for vLLM's (the gate compares classes by identity and methods by name)."""
+
+    def __init__(self, sampler, **fields):
+        self.sampler = sampler
+        self.num_speculative_steps = 3
+        self.synthetic_conditional_rates = None
+        self.enable_adaptive_verification = False
+        self.use_block_verification = False
+        self.watermark_key = None
+        self.fly_window_size = 0
+        self.fly_entropy_threshold = 0.3
+        self.fly_entropy_top_k = 3
+        self.__dict__.update(fields)
+
+    def __call__(self, logits, input_batch, draft_logits=None, invalid_drafts=None):
+        raise AssertionError("never called by the gate")
+
+
+class Sampler:
+    def __init__(self, st, needs, **fields):
+        from types import SimpleNamespace
+
+        import numpy as np
+
+        self.sampling_states = st
+        self.needs_logits_processing = np.asarray(needs, dtype=bool)
+        n = len(self.needs_logits_processing)
+        procs = {
+            "LogitBiasState": {"use_logit_bias": np.zeros(n, dtype=bool)},
+            "PenaltiesState": {"use_penalty": np.zeros(n, dtype=bool)},
+            "BadWordsState": {"num_bad_words": SimpleNamespace(np=np.zeros(n, dtype=np.int32))},
+        }
+        self.logits_processors = [type(k, (), v)() for k, v in procs.items()]
+        self.thinking_budget_state = SimpleNamespace(enabled=False)
+        self.compute_nans = False
+        self.return_sampling_mask = False
+        self.use_fp64_gumbel = False
+        self.__dict__.update(fields)
+
+
+class SamplingStates:
+    def __init__(self, temps):
+        from types import SimpleNamespace
+
+        import numpy as np
+
+        n = len(temps)
+        self.temperature = SimpleNamespace(np=np.asarray(temps, dtype=np.float32))
+        self.top_k = SimpleNamespace(np=np.full(n, _V, dtype=np.int32))
+        self.top_p = SimpleNamespace(np=np.ones(n, dtype=np.float32))
+        self.min_p = SimpleNamespace(np=np.zeros(n, dtype=np.float32))
+        self.vocab_size = _V
+
+    def max_num_logprobs(self, idx):
+        return -1
+
+
+def _classes(series="0.33"):
+    from shardmax.integrations.vllm.gate import VllmClasses
+
+    return VllmClasses(f"{series}.0", series, RejectionSampler, Sampler)
+
+
+def _standin(temps=(0.0, 0.0), rs_fields=None, sampler_fields=None, spec=None, **runner_fields):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    n = len(temps)
+    needs = [t not in (0.0, 1.0) for t in temps]
+    sampler = Sampler(SamplingStates(list(temps)), needs, **(sampler_fields or {}))
+    rs = RejectionSampler(sampler, **(rs_fields or {}))
+    si = SimpleNamespace(org_vocab_start_index=0, org_vocab_end_index=_V // 2, num_added_elements=0)
+    model = SimpleNamespace(
+        compute_logits_local=lambda h: h, lm_head=SimpleNamespace(shard_indices=si)
+    )
+    runner = SimpleNamespace(
+        rejection_sampler=rs,
+        batch_sharder=None,
+        model=model,
+        speculator=SimpleNamespace(draft_logits=None),
+        speculative_config=SimpleNamespace(
+            **{
+                "rejection_sample_method": "standard",
+                "draft_sample_method": "greedy",
+                **(spec or {}),
+            }
+        ),
+        adaptive_verification=None,
+    )
+    runner.__dict__.update(runner_fields)
+    batch = SimpleNamespace(
+        req_ids=[f"r{i}" for i in range(n)], num_reqs=n, num_draft_tokens=3 * n,
+        idx_mapping_np=np.arange(n),
+    )  # fmt: skip
+    return runner, batch
+
+
+def _decide(runner, batch, series="0.33", **kw):
+    return smv.step_decision(runner, batch, None, classes=_classes(series), **kw)
+
+
+def test_gate_admits_standard_and_synthetic():
+    runner, batch = _standin()
+    assert _decide(runner, batch).ok
+    runner, batch = _standin(
+        rs_fields={"synthetic_conditional_rates": torch.tensor([0.9, 0.8, 0.7])},
+        spec={"rejection_sample_method": "synthetic"},
+    )
+    assert _decide(runner, batch).ok
+    runner, batch = _standin(temps=(0.0, 0.8))
+    assert not _decide(runner, batch).ok
+    assert _decide(runner, batch, allow_temperature=True).ok
+
+
+@pytest.mark.parametrize(
+    ("setup", "reason"),
+    [
+        (
+            {"rs_fields": {"fly_window_size": 3}, "spec": {"rejection_sample_method": "fly"}},
+            "rejection_sample_method='fly' not reproduced by shardmax",
+        ),
+        (  # FLy fields without a config to say so
+            {"rs_fields": {"fly_window_size": 3}, "speculative_config": None},
+            "rejection_sample_method='fly' not reproduced by shardmax",
+        ),
+        (  # the config says standard, the sampler's fields say FLy
+            {"rs_fields": {"fly_window_size": 2}},
+            "rejection_sample_method='standard' but the rejection sampler's fields implement 'fly'",
+        ),
+        (
+            {
+                "rs_fields": {"use_block_verification": True},
+                "spec": {"rejection_sample_method": "block"},
+            },
+            "rejection_sample_method='block' not reproduced by shardmax",
+        ),
+        (
+            {"spec": {"rejection_sample_method": "fly2"}},
+            "rejection_sample_method='fly2' unknown to shardmax for vLLM 0.33 (known: standard, "
+            "synthetic, block, fly)",
+        ),
+        (
+            {"rs_fields": {"enable_adaptive_verification": True}},
+            "adaptive verification enabled (RejectionSampler.enable_adaptive_verification=True)",
+        ),
+        (
+            {"adaptive_verification": object()},
+            "adaptive verification enabled (runner.adaptive_verification)",
+        ),
+        (
+            {"rs_fields": {"watermark_key": 0}},  # key 0 is a key
+            "watermarking enabled (RejectionSampler.watermark_key=0)",
+        ),
+        (
+            {"spec": {"draft_sample_method": "probabilistic"}},
+            "draft_sample_method='probabilistic' (rejection sampling against draft logits)",
+        ),
+        (
+            {"speculator": type("S", (), {"draft_logits": torch.zeros(1)})()},
+            "draft logits kept (probabilistic drafting)",
+        ),
+        ({"batch_sharder": object()}, "batch-sharded sampling enabled"),
+        (
+            {"sampler_fields": {"compute_nans": True}},
+            "NaN counting enabled (VLLM_COMPUTE_NANS_IN_LOGITS) (Sampler.compute_nans=True)",
+        ),
+        (
+            {"sampler_fields": {"return_sampling_mask": True}},
+            "return_sampling_mask enabled (Sampler.return_sampling_mask=True)",
+        ),
+        (
+            {"rs_fields": {"fly2_window": 4}},
+            "unknown RejectionSampler field fly2_window=4 (not in shardmax's table for vLLM 0.33)",
+        ),
+        (
+            {"sampler_fields": {"new_sampler_state": torch.ones(2)}},
+            "unknown Sampler field new_sampler_state=<Tensor (2,) torch.float32> (not in "
+            "shardmax's table for vLLM 0.33)",
+        ),
+    ],
+)
+def test_gate_falls_back_naming_the_feature(setup, reason):
+    runner_fields = {
+        k: v for k, v in setup.items() if k not in ("rs_fields", "sampler_fields", "spec")
+    }
+    runner, batch = _standin(
+        rs_fields=setup.get("rs_fields"), sampler_fields=setup.get("sampler_fields"),
+        spec=setup.get("spec"), **runner_fields,
+    )  # fmt: skip
+    for allow in (False, True):
+        d = _decide(runner, batch, allow_temperature=allow)
+        assert not d and d.reason == reason
+
+
+def test_gate_unknown_field_with_off_value_passes():
+    runner, batch = _standin(rs_fields={"future_flag": False, "future_tensor": None})
+    assert _decide(runner, batch).ok
+    runner, batch = _standin(sampler_fields={"future_count": 0})
+    assert _decide(runner, batch).ok
+
+
+def test_gate_0_32_table_does_not_know_fly_fields():
+    """0.32's table has no FLy fields: a 0.33-shaped rejection sampler checked against it falls
+    back on the first of them that is not "off"; without them (0.32's shape) the step passes;
+    ``fly`` is not a 0.32 method."""
+    runner, batch = _standin()
+    d = _decide(runner, batch, series="0.32")
+    assert d.reason == (
+        "unknown RejectionSampler field fly_entropy_threshold=0.3 (not in shardmax's table for "
+        "vLLM 0.32)"
+    )
+    for f in ("fly_window_size", "fly_entropy_threshold", "fly_entropy_top_k"):
+        delattr(runner.rejection_sampler, f)
+    assert _decide(runner, batch, series="0.32").ok
+    runner, batch = _standin(spec={"rejection_sample_method": "fly"})
+    d = _decide(runner, batch, series="0.32")
+    assert d.reason == (
+        "rejection_sample_method='fly' unknown to shardmax for vLLM 0.32 (known: standard, "
+        "synthetic, block)"
+    )
+
+
+def test_gate_input_batch_fields_new_in_033():
+    runner, batch = _standin()
+    batch.pcp = object()
+    assert _decide(runner, batch).reason.startswith("PCP rank-local batch (input_batch.pcp set)")
+    runner, batch = _standin()
+    batch.num_admitted_draft_tokens = object()
+    assert _decide(runner, batch).reason.startswith(
+        "adaptive verification draft counts in flight (input_batch.num_admitted_draft_tokens)"
+    )
+    runner, batch = _standin()
+    batch.pcp = None
+    batch.num_admitted_draft_tokens = None
+    assert _decide(runner, batch).ok
+
+
+def test_gate_refuses_other_classes_unknown_and_patched_methods(monkeypatch):
+    runner, batch = _standin()
+
+    class Sub(RejectionSampler):
+        pass
+
+    runner.rejection_sampler.__class__ = Sub
+    assert _decide(runner, batch).reason == "custom rejection sampler Sub"
+    runner, batch = _standin()
+    runner.rejection_sampler.sampler.__class__ = type("GPUWatermarkSampler", (Sampler,), {})
+    assert _decide(runner, batch).reason == "custom sampler GPUWatermarkSampler"
+
+    runner, batch = _standin()
+    monkeypatch.setattr(RejectionSampler, "_verify_fly2", lambda self: None, raising=False)
+    assert _decide(runner, batch).reason == (
+        "unknown RejectionSampler method _verify_fly2 (not in shardmax's table for vLLM 0.33)"
+    )
+    monkeypatch.delattr(RejectionSampler, "_verify_fly2")
+    assert _decide(runner, batch).ok
+
+    import types
+
+    patched = types.FunctionType(
+        (lambda self, *a: None).__code__, {}, "__call__"
+    )  # a __call__ defined outside the class's module
+    patched.__module__ = "someone.elses.plugin"
+    monkeypatch.setattr(RejectionSampler, "__call__", patched)
+    assert _decide(runner, batch).reason == (
+        "RejectionSampler.__call__ is patched (defined in someone.elses.plugin)"
+    )
+
+
+def test_gate_per_request_rules_still_apply():
+    import numpy as np
+
+    runner, batch = _standin(temps=(0.0, 0.8, 0.8))
+    st = runner.rejection_sampler.sampler.sampling_states
+    st.top_k.np[2] = 5
+    d = _decide(runner, batch, allow_temperature=True)
+    assert d.reason == f"top_k[2]=5 < vocab_size={_V} (top-k active)"
+    runner, batch = _standin()
+    runner.rejection_sampler.sampler.needs_logits_processing = np.array([False, True])
+    assert _decide(runner, batch).reason == (
+        "logits processors active (bias/penalties/bad words/min_tokens)"
+    )
+
+
+def test_warmup_steps_are_counted_apart():
+    """vLLM 0.33 runs a greedy spec-decode warm-up (request ids ``_warmup_<i>_``): its steps go
+    to ``stats()["warmup"]`` so the serving counts do not depend on the vLLM version."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def native(runner, h, b, g):
+        calls.append(b.req_ids)
+        return "native"
+
+    runner = SimpleNamespace(rejection_sampler=None)
+    warm = SimpleNamespace(req_ids=["_warmup_0_", "_warmup_1_"], num_draft_tokens=0)
+    serve = SimpleNamespace(req_ids=["req-a", "_warmup_0_"], num_draft_tokens=0)
+    assert smv.maybe_verify_sharded(runner, None, warm, None, native) == "native"
+    assert smv.maybe_verify_sharded(runner, None, warm, None, native) == "native"
+    assert smv.maybe_verify_sharded(runner, None, serve, None, native) == "native"
+    s = smv.stats()
+    assert s["plain_sample"] == 1 and s["warmup"]["plain_sample"] == 2
+    assert len(calls) == 3
+    # the phase holds for the draft argmax of the same step
+    head, h = _setup()
+    smv.maybe_verify_sharded(runner, None, warm, None, native)
+    smv.get_top_tokens(FakeLogitsProcessor(), head, h)
+    s = smv.stats()
+    assert s["sharded_argmax"] == 0 and s["warmup"]["sharded_argmax"] == 1
+    smv.reset_stats()
+    assert smv.stats()["warmup"]["plain_sample"] == 0
+
+
+@pytest.mark.parametrize("what", ["penalties", "logit_bias", "bad_words", "thinking", "custom"])
+def test_gate_logits_processors_and_thinking_budget_fall_back(what):
+    """A temperature-0.8 request sets ``needs_logits_processing`` through vLLM's temperature
+    alone; penalties / logit bias / bad words / a thinking budget / a custom processor on it must
+    still send the step to vLLM (the sampled path re-derives the temperature term)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    runner, batch = _standin(temps=(0.0, 0.8))
+    sampler = runner.rejection_sampler.sampler
+    assert _decide(runner, batch, allow_temperature=True).ok
+    lb, pen, bw = sampler.logits_processors
+    if what == "penalties":
+        pen.use_penalty[1] = True
+    elif what == "logit_bias":
+        lb.use_logit_bias[1] = True
+    elif what == "bad_words":
+        bw.num_bad_words.np[1] = 2
+    elif what == "thinking":
+        sampler.thinking_budget_state = SimpleNamespace(
+            enabled=True, use_thinking_budget=np.array([False, True])
+        )
+    else:
+        sampler.logits_processors.append(type("MyProcessor", (), {})())
+    d = _decide(runner, batch, allow_temperature=True)
+    assert d.reason == "logits processors active (bias/penalties/bad words/min_tokens)"
+
+
+def test_is_off():
+    import numpy as np
+
+    from shardmax.integrations.vllm.gate import is_off
+
+    for v in (None, False, 0, 0.0, -0.0, "", b"", (), [], {}, set(), np.int64(0), np.bool_(False)):
+        assert is_off(v), v
+    for v in (True, 1, -1, 0.3, float("nan"), "standard", (0,), [None], np.float32(0.5),
+              np.zeros(1), torch.zeros(()), object()):  # fmt: skip
+        assert not is_off(v), v

@@ -1,12 +1,14 @@
 """Strict mode == vLLM's own kernels, bit for bit: ``sharded_verify(mode="strict")`` (emulated
-TP ranks) against vLLM 0.32's ``rejection_sample`` on the tensor vLLM verifies
-(:mod:`shardmax.testing.vllm_oracle`: the raw gathered view, or the fp32 processed copy with vLLM's
-temperature kernel and, for top-k rows, the exact top-k mask).
+TP ranks) against each available vLLM version's ``rejection_sample`` (0.32, 0.33) on the tensor
+vLLM verifies (:mod:`shardmax.testing.vllm_oracle`: the raw gathered view, or the fp32 processed
+copy with vLLM's temperature kernel and, for top-k rows, the exact top-k mask).
 
-Where vLLM's kernels come from: an installed vLLM (the e2e venv: ``tests/e2e_vllm/run.sh`` runs
-this module on CPU under the Triton interpreter) or the minimal tree ``scripts/vllm_kernels.sh``
-extracts into ``.vllm-kernels`` (carried to the H200: the ``gpu`` cases, where the layout rules
-of research §2.5 decide the bits). Skipped when neither is there.
+Where vLLM's kernels come from (:func:`shardmax.testing.vllm_oracle.discover`): the per-version
+trees under ``$SHARDMAX_VLLM_KERNELS`` or ``.vllm-kernels/<version>/`` (``scripts/vllm_kernels.sh``
+from the e2e venv, ``scripts/vllm_sources.sh`` from the 0.33.0 wheel; carried to the H200 for the
+``gpu`` cases, where the layout rules of research §2.5 decide the bits), and an installed vLLM
+whose version no tree has (``tests/e2e_vllm/run.sh`` runs this module on CPU under the Triton
+interpreter). Every test runs once per version. Skipped when there are none.
 
 Batches mix greedy rows, temperatures 0.5-1.3 (or only 0 / 1: vLLM's raw-chunk path), placeholders,
 fp32 and fp64 Gumbel, top-k 1/20/50 with ties planted at the k-th value; vocabularies with cut blocks (TP 2/3/4), aligned ones (no raw pieces), an
@@ -20,11 +22,13 @@ non-fallback request; strict mode must not flag a single finite row.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,27 +45,27 @@ if importlib.util.find_spec("vllm") is not None and "vllm.triton_utils" not in s
         _mod = importlib.util.module_from_spec(_spec)
         with contextlib.suppress(Exception):
             _spec.loader.exec_module(_mod)
-elif importlib.util.find_spec("vllm") is None:
-    _tree = Path(os.environ.get("SHARDMAX_VLLM_KERNELS", _REPO / ".vllm-kernels"))
-    if (_tree / "vllm").is_dir():
-        sys.path.insert(0, str(_tree))
-
-try:
-    from vllm.v1.worker.gpu.sample.gumbel import apply_temperature  # noqa: F401
-    from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample  # noqa: F401
-except Exception as exc:  # no usable vLLM kernels here
-    pytest.skip(f"vLLM's verification kernels not importable: {exc!r}", allow_module_level=True)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils as vrs  # noqa: E402
 
 from shardmax import FallbackReason, strict  # noqa: E402
 from shardmax.reference.sampled import top_k_mask  # noqa: E402
 from shardmax.runtime.gumbel import acceptance_uniform_triton  # noqa: E402
 from shardmax.testing import emulate_verify, random_verify_batch, shard_like_vllm  # noqa: E402
 from shardmax.testing.shards import default_pad_to  # noqa: E402
-from shardmax.testing.vllm_oracle import vllm_logits, vllm_rejection_sample  # noqa: E402
+from shardmax.testing.vllm_oracle import VllmKernels, discover  # noqa: E402
+
+KERNELS = discover()
+if not KERNELS:
+    pytest.skip(
+        "no vLLM verification kernels: run scripts/vllm_kernels.sh / scripts/vllm_sources.sh "
+        "(or install vLLM)",
+        allow_module_level=True,
+    )
+print(f"[strict] vLLM kernels: {', '.join(f'{k.version} ({k.source})' for k in KERNELS)}")
+by_version = pytest.mark.parametrize("kernels", KERNELS, ids=[k.id for k in KERNELS])
+vrs: Any = None  # vLLM's rejection_sampler_utils in _vllm_lse_kernel, bound per version by jit
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _MIXED_TEMPS = (0.0, 0.5, 0.7, 1.0, 1.3)
@@ -136,8 +140,11 @@ GPU_CASES = [
 ]
 
 
-def _run_case(case, device: str) -> None:
-    name, vocab, tp, dtype, temps_from, fp64, k, with_topk = case
+@functools.cache
+def _case_inputs(case, device: str):
+    """A case's batch and shardmax's strict / fast answers on it: computed once, compared with
+    every vLLM version's."""
+    _, vocab, tp, dtype, temps_from, fp64, k, with_topk = case
     seed = 700 + GPU_CASES.index(case)
     b, temps = _case_batch(seed, vocab, dtype, k, temps_from)
     counts = (b.cu_num_logits[1:] - b.cu_num_logits[:-1]).long()
@@ -164,19 +171,29 @@ def _run_case(case, device: str) -> None:
 
     logits = b.logits.to(device)
     args = [dev(a) for a in b.args()]
-    target = vllm_logits(logits, tp, dev(expanded), dev(temps), processed=processed)
+    extra = dict(use_fp64_gumbel=fp64, top_k=dev(top_k) if top_k is not None else None)
+    got = emulate_verify(logits, tp, *args[:5], dev(temps), *args[5:], mode="strict", **extra)
+    fast = emulate_verify(logits, tp, *args[:5], dev(temps), *args[5:], mode="fast", **extra)
+    return logits, args, expanded, temps, top_k, processed, got, fast
+
+
+def _run_case(case, device: str, kernels: VllmKernels) -> None:
+    name, _, tp, _, _, fp64, k, with_topk = case
+    logits, args, expanded, temps, top_k, processed, got, fast = _case_inputs(case, device)
+
+    def dev(t):
+        return t.to(device) if isinstance(t, torch.Tensor) else t
+
+    target = kernels.logits(logits, tp, dev(expanded), dev(temps), processed=processed)
     if with_topk:
         slots = expanded.long()
         k_row = top_k[slots]
         on = (k_row > 0) & (temps[slots] != 0)
         target = top_k_mask(target, torch.where(on, k_row, 0).to(device))
-    v_sampled, v_num = vllm_rejection_sample(
+    v_sampled, v_num = kernels.rejection_sample(
         target, args[0], args[1], args[2], args[3], dev(expanded), args[4], dev(temps),
         args[5], k, use_fp64_gumbel=fp64,
     )  # fmt: skip
-    extra = dict(use_fp64_gumbel=fp64, top_k=dev(top_k) if top_k is not None else None)
-    got = emulate_verify(logits, tp, *args[:5], dev(temps), *args[5:], mode="strict", **extra)
-    fast = emulate_verify(logits, tp, *args[:5], dev(temps), *args[5:], mode="fast", **extra)
 
     live = torch.arange(k + 1, device=device)[None, :] < v_num.to(torch.int64)[:, None]
     ok = ~got.fallback
@@ -185,7 +202,8 @@ def _run_case(case, device: str) -> None:
     bad = (ok & ~(same_num & same_tok)).nonzero().flatten().tolist()
     margin = int((fast.reason == FallbackReason.LSE_MARGIN).sum())
     print(
-        f"[strict] {name} ({device}): {int(ok.sum())}/{ok.numel()} requests sharded, "
+        f"[strict] {name} ({device}, vLLM {kernels.version}): {int(ok.sum())}/{ok.numel()} "
+        "requests sharded, "
         f"{int(live.sum())} tokens, fast mode flags {margin} at the LSE margin; mismatches {bad}"
     )
     assert not bad, (
@@ -205,17 +223,19 @@ ties), every case's block statistics and LSE bits; the H200 runs every case."""
 
 
 @pytest.mark.e2e
+@by_version
 @pytest.mark.parametrize("case", CPU_DECISION_CASES, ids=[c[0] for c in CPU_DECISION_CASES])
-def test_strict_matches_vllm_kernels(case) -> None:
+def test_strict_matches_vllm_kernels(case, kernels) -> None:
     """CPU (Triton interpreter): strict mode == vLLM's rejection_sample."""
-    _run_case(case, "cpu")
+    _run_case(case, "cpu", kernels)
 
 
 @pytest.mark.gpu
+@by_version
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_strict_matches_vllm_kernels_on_gpu(case) -> None:
+def test_strict_matches_vllm_kernels_on_gpu(case, kernels) -> None:
     """H200: strict mode == vLLM's rejection_sample, where the load layout decides the bits."""
-    _run_case(case, "cuda")
+    _run_case(case, "cuda", kernels)
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,12 +243,12 @@ def test_strict_matches_vllm_kernels_on_gpu(case) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
 def _vllm_lse_kernel(
     max_ptr, max_stride, sumexp_ptr, sumexp_stride, start_ptr, lse_ptr, num_blocks,
     PADDED: tl.constexpr,
 ):  # fmt: skip
-    # vLLM's combine helper, called as its rejection kernel calls it (row index loaded)
+    # vLLM's combine helper, called as its rejection kernel calls it (row index loaded);
+    # jitted per version by VllmKernels.jit (``vrs`` = that version's rejection_sampler_utils)
     row = tl.load(start_ptr + tl.program_id(0)).to(tl.int64)
     lse = vrs._compute_global_logsumexp(
         max_ptr, max_stride, sumexp_ptr, sumexp_stride, row, num_blocks, PADDED
@@ -236,31 +256,22 @@ def _vllm_lse_kernel(
     tl.store(lse_ptr + row, lse)
 
 
-def _vllm_block_stats(target: torch.Tensor, temps_row: torch.Tensor):
-    """vLLM's own stats kernel on its tensor (every row treated as a sampled, non-bonus row)."""
-    rows, vocab = target.shape
-    nb = triton.cdiv(vocab, strict.VOCAB_BLOCK)
-    dev = target.device
-    f32 = dict(dtype=torch.float32, device=dev)
-    t_max, t_sum = torch.empty(rows, nb, **f32), torch.empty(rows, nb, **f32)
-    d_max, d_sum = torch.empty(rows, nb, **f32), torch.empty(rows, nb, **f32)
-    argmax = torch.empty(rows, nb, dtype=torch.int64, device=dev)
-    ar = torch.arange(rows, dtype=torch.int32, device=dev)
-    vrs._compute_local_logits_stats_kernel[(rows, nb)](
-        argmax, argmax.stride(0), t_max, t_max.stride(0), t_sum, t_sum.stride(0),
-        d_max, d_max.stride(0), d_sum, d_sum.stride(0), target, target.stride(0),
-        target, 0, 0, ar, torch.zeros(rows, dtype=torch.int32, device=dev), temps_row,
-        vocab, 1, BLOCK_SIZE=strict.VOCAB_BLOCK, HAS_DRAFT_LOGITS=False,
-    )  # fmt: skip
-    lse = torch.empty(rows, **f32)
-    _vllm_lse_kernel[(rows,)](
-        t_max, t_max.stride(0), t_sum, t_sum.stride(0), ar.to(torch.int64), lse, nb,
+def _vllm_block_stats(kernels: VllmKernels, target: torch.Tensor, temps_row: torch.Tensor):
+    """vLLM's own stats kernel on its tensor (every row a sampled, non-bonus row, with the
+    arguments of that version: :meth:`VllmKernels.block_stats`) and its LSE combine."""
+    rows, _ = target.shape
+    t_max, t_sum = kernels.block_stats(target, temps_row, strict.VOCAB_BLOCK)
+    nb = t_max.shape[1]
+    lse = torch.empty(rows, dtype=torch.float32, device=target.device)
+    ar = torch.arange(rows, dtype=torch.int64, device=target.device)
+    kernels.jit(_vllm_lse_kernel)[(rows,)](
+        t_max, t_max.stride(0), t_sum, t_sum.stride(0), ar, lse, nb,
         PADDED=triton.next_power_of_2(nb), num_warps=1,
     )  # fmt: skip
     return t_max, t_sum, lse
 
 
-def _bits_case(case, device: str) -> None:
+def _bits_case(case, device: str, kernels: VllmKernels) -> None:
     name, vocab, tp, dtype, temps_from, _, _, with_topk = case
     gen = torch.Generator().manual_seed(900 + GPU_CASES.index(case))
     rows = 24
@@ -272,7 +283,7 @@ def _bits_case(case, device: str) -> None:
     ].to(device)
     t_row[t_row == 0] = 1.0  # stats rows are sampled rows
     processed = any(t not in (0.0, 1.0) for t in temps_from) or with_topk
-    target = vllm_logits(
+    target = kernels.logits(
         full, tp, torch.arange(rows, dtype=torch.int32, device=device), t_row, processed=processed
     )
     shards = shard_like_vllm(full, tp, pad_to=default_pad_to(vocab, tp))
@@ -298,8 +309,8 @@ def _bits_case(case, device: str) -> None:
             g_max, g_sum, keys, t_row, vocab, cand_per_row=64, top_k=k_row,
             slot_row=torch.arange(rows, device=device),
         )  # fmt: skip
-    v_max, v_sum, v_lse = _vllm_block_stats(target, t_row if processed and not with_topk else
-                                            torch.ones_like(t_row))  # fmt: skip
+    v_max, v_sum, v_lse = _vllm_block_stats(kernels, target, t_row if processed and not with_topk
+                                            else torch.ones_like(t_row))  # fmt: skip
     lse = strict.strict_lse(g_max, g_sum)
 
     def bits(t):
@@ -308,7 +319,8 @@ def _bits_case(case, device: str) -> None:
     same_blocks = (bits(g_max) == bits(v_max)) & (bits(g_sum) == bits(v_sum))
     same_lse = (bits(lse) == bits(v_lse)) | (torch.isnan(lse) & torch.isnan(v_lse))
     print(
-        f"[strict bits] {name} ({device}): blocks {int(same_blocks.sum())}/{same_blocks.numel()} "
+        f"[strict bits] {name} ({device}, vLLM {kernels.version}): blocks "
+        f"{int(same_blocks.sum())}/{same_blocks.numel()} "
         f"bit-equal ({len(plan.cut_blocks)} cut / {plan.num_blocks}), LSE "
         f"{int(same_lse.sum())}/{rows}"
     )
@@ -317,21 +329,24 @@ def _bits_case(case, device: str) -> None:
 
 
 @pytest.mark.e2e
+@by_version
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_strict_block_stats_and_lse_bits(case) -> None:
+def test_strict_block_stats_and_lse_bits(case, kernels) -> None:
     """CPU: every rebuilt (max, sumexp) block and every LSE == vLLM's stats kernel + combine."""
-    _bits_case(case, "cpu")
+    _bits_case(case, "cpu", kernels)
 
 
 @pytest.mark.gpu
+@by_version
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_strict_block_stats_and_lse_bits_on_gpu(case) -> None:
+def test_strict_block_stats_and_lse_bits_on_gpu(case, kernels) -> None:
     """H200: every rebuilt block and LSE == vLLM's, under vLLM's real load layouts."""
-    _bits_case(case, "cuda")
+    _bits_case(case, "cuda", kernels)
 
 
 @pytest.mark.gpu
-def test_layout_choice_matters_on_gpu() -> None:
+@by_version
+def test_layout_choice_matters_on_gpu(kernels) -> None:
     """The control that shows the bit tests can fail: vLLM's fp32 chunk at V = 50257 (row stride
     V, not a multiple of 16) reduced from a 16-aligned copy -- the ``va1`` variant (stride
     unspecialised) gives vLLM's bits on every block, the ``va16`` variant (vectorised loads, a
@@ -341,9 +356,9 @@ def test_layout_choice_matters_on_gpu() -> None:
     gen = torch.Generator(device=dev).manual_seed(5)
     raw = (torch.randn(rows, vocab, generator=gen, device=dev) * 3.0).to(torch.bfloat16)
     t_row = torch.full((rows,), 0.7, device=dev)
-    target = vllm_logits(raw, 1, torch.arange(rows, dtype=torch.int32, device=dev), t_row,
-                         processed=True)  # fmt: skip
-    v_max, v_sum, _ = _vllm_block_stats(target, t_row)
+    target = kernels.logits(raw, 1, torch.arange(rows, dtype=torch.int32, device=dev), t_row,
+                            processed=True)  # fmt: skip
+    v_max, v_sum, _ = _vllm_block_stats(kernels, target, t_row)
     nb = v_max.shape[1]
     padded = torch.empty(rows, vocab + 15, dtype=torch.float32, device=dev)
     padded[:, :vocab] = target
@@ -353,14 +368,14 @@ def test_layout_choice_matters_on_gpu() -> None:
         strict.block_stats(padded, g_max, g_sum, vocab=vocab, nblocks=nb, aligned=aligned)
         mism[aligned] = int((g_sum.view(torch.int32) != v_sum.view(torch.int32)).sum())
     # bf16 raw chunk: vLLM reads bf16; an fp32 copy of the same values reduces differently
-    r_view = vllm_logits(raw, 1, torch.arange(rows, dtype=torch.int32, device=dev), t_row,
-                         processed=False)  # fmt: skip
-    rv_max, rv_sum, _ = _vllm_block_stats(r_view, torch.ones_like(t_row))
+    r_view = kernels.logits(raw, 1, torch.arange(rows, dtype=torch.int32, device=dev), t_row,
+                            processed=False)  # fmt: skip
+    rv_max, rv_sum, _ = _vllm_block_stats(kernels, r_view, torch.ones_like(t_row))
     f_max, f_sum = torch.empty_like(rv_max), torch.empty_like(rv_sum)
     strict.block_stats(r_view.float(), f_max, f_sum, vocab=vocab, nblocks=nb, aligned=True)
     dtype_mism = int((f_sum.view(torch.int32) != rv_sum.view(torch.int32)).sum())
     print(
-        f"[strict layout] V={vocab} fp32 chunk, {rows * nb} blocks: va1 {mism[False]} differ, "
+        f"[strict layout] vLLM {kernels.version} V={vocab} fp32 chunk, {rows * nb} blocks: va1 {mism[False]} differ, "
         f"va16 {mism[True]} differ; bf16 raw reduced as fp32: {dtype_mism} differ"
     )
     assert mism[False] == 0

