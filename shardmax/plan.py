@@ -16,7 +16,9 @@ return a plan whose ``run`` only launches kernels and the collective::
 
 ``run`` never reads the device (no host sync), never allocates beyond its outputs (intermediates
 live in the shard's workspace, shared by its plans) and is CUDA-graph capturable once it ran
-eagerly (that first run compiles the kernels). Plans are cached by their arguments, so asking
+eagerly (that first run compiles the kernels). A captured graph keeps pointers into the
+workspace, which grows when a plan of a larger shape is made: make every plan you will capture
+before capturing (or give captured steps a shard of their own). Plans are cached by their arguments, so asking
 for the plan of a shape again costs a dictionary lookup. Runs of one shard's plans must be
 ordered on one stream; a plan's outputs are new tensors that the caller may keep.
 

@@ -26,6 +26,7 @@ from shardmax.testing import (
     emulate_vocab_parallel_argmax,
     random_verify_batch,
 )
+from tests._twice import twice
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -198,7 +199,9 @@ def test_sampled_verify_fast_mode_on_gpu(tp: int, fp64: bool, with_topk: bool) -
             mps = torch.tensor((0.0, 0.0, 0.05))
             kw["min_p"] = mps[torch.randint(0, 3, (n,), generator=gen)].to(DEV)
             splits = 4
-        got = emulate_verify(batch.logits, tp, *a[:5], temps, *a[5:], record_splits=splits, **kw)
+        got = twice(
+            emulate_verify, batch.logits, tp, *a[:5], temps, *a[5:], record_splits=splits, **kw
+        )
         want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
         ok = ~got.fallback
         assert torch.equal(got.reason != 0, got.fallback)
@@ -236,7 +239,7 @@ def test_sampled_verify_every_candidate_count_on_gpu(c: int) -> None:
         ps[slots] = torch.tensor([1.0, 1.0, 0.95, 0.9] * 4)
         a = batch.args()
         kw = dict(batch.kwargs(), top_k=ks.to(DEV), top_p=ps.to(DEV))
-        got = emulate_verify(batch.logits, tp, *a[:5], temps.to(DEV), *a[5:], record_splits=4,
+        got = twice(emulate_verify, batch.logits, tp, *a[:5], temps.to(DEV), *a[5:], record_splits=4,
                              candidates=c, **kw)  # fmt: skip
         want = verify_sampled(batch.logits, *a[:5], temps.to(DEV), *a[5:], **kw)
         reason = got.reason.cpu().view(4, 4)
@@ -303,7 +306,7 @@ def test_sampled_strict_cuda_graph_replay_matches_eager(with_topk: bool) -> None
     static = batch.logits.clone()
 
     def call():
-        return shardmax.sharded_verify(
+        return twice(shardmax.sharded_verify,
             static, *a[:5], temps, *a[5:], vocab_start=0, mode="strict", logits_processed=True,
             **batch.kwargs(), **extra,
         )  # fmt: skip

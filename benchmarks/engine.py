@@ -1,0 +1,321 @@
+"""Engine-faithful decode loop: verification as vLLM's model runner V2 calls it (issue 19).
+
+V2 replays the model's forward from a CUDA graph and then calls verification EAGERLY, so the
+host cost of the call counts as much as its GPU time. Each timed step of this loop is:
+
+1. the stand-in forward: a captured CUDA graph of matmuls taking about ``--forward-us`` of GPU
+   time (replayed, as V2 replays the model);
+2. the host work of preparing the step's batch tensors (a pinned host->device copy of the
+   request slots, the same for every path);
+3. verification, eager, with everything the engine's call does on the host:
+   * ``vllm``: vLLM's own chain on the full logits (:mod:`shardmax.testing.vllm_chain`: the
+     fp32 copy where a request needs processing, vLLM's temperature / top-k / top-p kernels,
+     ``rejection_sample``, ``get_num_sampled_and_rejected``; at TP > 1 after the full-logits
+     all-gather);
+   * ``shardmax``: what the plug-in runs (``shardmax.integrations.vllm.step``): the step's host
+     checks (``check_step_batch``), the shard's cached plan, ``plan.run`` -- no host sync;
+   * ``shardmax+read``: the same plus the plug-in's one host read of the fallback flags per
+     sampled step (today's plug-in; a sync);
+4. the accepted tokens accumulated on the device (read once at the end, as V2 reads its outputs
+   asynchronously).
+
+Every path runs the same fixed number of steps on the same batch (realistic traffic:
+:func:`shardmax.testing.traffic.realistic_batch`: LM-like rows, drafts often right). Reported per
+(traffic mix, rows, path): host us per verification call (mean, p50, p90), GPU us of the call in
+the loop (CUDA events) and under graph replay, step time and tokens/s of the loop, and whether a
+run of the path made a host sync (``torch.cuda.set_sync_debug_mode("error")``). Targets of issue
+19 are evaluated from these numbers only. Needs a GPU.
+
+    python -m benchmarks.engine [--rows 4,32,96,256,512] [--vocab 200064] [--steps 200]
+        [--mixes greedy,temperature,top_p] [--forward-us 1000] [--out benchmarks/results/<arch>]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FIELDS = [
+    "mix", "rows", "reqs", "vocab", "dtype", "tp", "path", "host_us_mean", "host_us_p50",
+    "host_us_p90", "gpu_us_loop", "gpu_us_graph", "step_us", "tokens_per_s", "accepted_per_req",
+    "fallback_rate", "host_sync", "steps", "forward_us", "note",
+]  # fmt: skip
+HOST_TARGET_US = {"greedy": 50.0, "temperature": 100.0, "top_p": 100.0}
+"""Issue 19's host budget per verification call: <= 50 us greedy, <= 100 us sampled."""
+
+
+def _forward_graph(target_us: float) -> tuple[torch.cuda.CUDAGraph, float]:
+    """A captured stand-in forward of about ``target_us`` GPU time (bf16 matmuls)."""
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.matmul(a, b, out=out)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(20):
+        torch.matmul(a, b, out=out)
+    end.record()
+    torch.cuda.synchronize()
+    per = start.elapsed_time(end) * 1000 / 20
+    n = max(1, round(target_us / per))
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.matmul(a, b, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            torch.matmul(a, b, out=out)
+    g.replay()
+    torch.cuda.synchronize()
+    start.record()
+    g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return g, start.elapsed_time(end) * 1000
+
+
+def _shardmax_step(traffic: Any, mix: str, read_flags: bool) -> Callable[[], Any]:
+    """The plug-in's verification call on one rank (TP 1: the shard is the whole vocabulary)."""
+    from shardmax.plan import VocabShard
+    from shardmax.runtime.validation import check_step_batch
+
+    logits = traffic.logits
+    rows, vocab = logits.shape
+    shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=logits.dtype,
+                       device=logits.device)  # fmt: skip
+    t = traffic
+    sampled = mix != "greedy"
+
+    def step() -> Any:
+        batch = check_step_batch(
+            rows, logits.device, t.draft_sampled, t.cu_num_logits, t.pos, t.idx_mapping,
+            t.expanded_local_pos, t.seed, t.num_speculative_steps, None, None, None,
+            temperature=t.temperature if sampled else None, top_p=t.top_p,
+        )  # fmt: skip
+        if not sampled:
+            return shard.greedy_verify(rows).run(logits, batch)[1]
+        res = shard.verify(rows, with_candidates=t.top_p is not None).run(logits, batch)
+        if read_flags and bool(res.fallback.any()):  # the plug-in would re-run natively
+            pass
+        return res.num_sampled
+
+    return step
+
+
+def _vllm_step(traffic: Any, mix: str, chain: Any) -> Callable[[], Any]:
+    t = traffic
+    expanded_idx = torch.repeat_interleave(
+        t.idx_mapping, torch.diff(t.cu_num_logits.long())
+    ).to(torch.int32)
+    temp_np = t.temperature.cpu().numpy()
+    top_p_np = t.top_p.cpu().numpy() if t.top_p is not None else None
+
+    def step() -> Any:
+        out = chain.run_step(
+            t.logits, t.draft_sampled, t.cu_num_logits, t.pos, t.idx_mapping, expanded_idx,
+            t.expanded_local_pos, t.temperature, t.seed, t.num_speculative_steps,
+            temperature_np=temp_np, top_p_np=top_p_np, top_p_gpu=t.top_p,
+            idx_mapping_np=t.idx_mapping.cpu().numpy(),
+        )  # fmt: skip
+        return out[1]
+
+    return step
+
+
+def _measure(
+    step: Callable[[], Any], forward: torch.cuda.CUDAGraph, steps: int, reqs: int
+) -> dict[str, Any]:
+    slots = torch.arange(reqs, dtype=torch.int32).pin_memory()
+    slots_dev = torch.empty(reqs, dtype=torch.int32, device="cuda")
+    for _ in range(3):  # warm-up: compiles, plans, caches
+        step()
+    torch.cuda.synchronize()
+    acc = torch.zeros((), dtype=torch.int64, device="cuda")
+    host: list[float] = []
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(steps)]  # fmt: skip
+    t0 = time.perf_counter()
+    for i in range(steps):
+        forward.replay()
+        slots_dev.copy_(slots, non_blocking=True)
+        events[i][0].record()
+        h0 = time.perf_counter()
+        num_sampled = step()
+        h1 = time.perf_counter()
+        events[i][1].record()
+        acc += num_sampled.sum()
+        host.append((h1 - h0) * 1e6)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    gpu = [a.elapsed_time(b) * 1000 for a, b in events]
+    tokens = int(acc.item())
+    host_sorted = sorted(host)
+    return {
+        "host_us_mean": statistics.fmean(host),
+        "host_us_p50": statistics.median(host),
+        "host_us_p90": host_sorted[int(0.9 * (len(host) - 1))],
+        "gpu_us_loop": statistics.median(gpu),
+        "step_us": wall / steps * 1e6,
+        "tokens_per_s": tokens / wall,
+        "accepted_per_req": tokens / (steps * reqs),
+    }
+
+
+def _graph_gpu_us(step: Callable[[], Any]) -> float | str:
+    """GPU time of one call replayed from a CUDA graph (no host cost), or why not capturable."""
+    try:
+        step()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        g.replay()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(50):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1000 / 50
+    except Exception as e:  # a path with a host sync cannot be captured
+        torch.cuda.synchronize()
+        return f"not capturable: {type(e).__name__}"
+
+
+def _syncs(step: Callable[[], Any]) -> str:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        return "none"
+    except RuntimeError as e:
+        return "sync: " + str(e).splitlines()[0][:80]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--rows", default="4,32,96,256,512")
+    ap.add_argument("--vocab", type=int, default=200064)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--mixes", default="greedy,temperature,top_p")
+    ap.add_argument("--forward-us", type=float, default=1000.0)
+    ap.add_argument("--vllm-version", default="0.33.0")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.engine: needs a GPU (it times CUDA graphs and eager GPU calls)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    from shardmax.runtime.dispatch import detect_arch
+    from shardmax.testing.traffic import realistic_batch
+
+    chain = None
+    note = ""
+    try:
+        from shardmax.testing.vllm_chain import NativeChain
+
+        chain = NativeChain.load(args.vllm_version)
+    except Exception as e:  # no extracted vLLM tree: the vllm path is not measured
+        note = f"vllm chain unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+        print(note, file=sys.stderr)
+    out_dir = args.out or Path("benchmarks/results") / (detect_arch() or "unknown")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    forward, forward_us = _forward_graph(args.forward_us)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = []
+    for mix in args.mixes.split(","):
+        for rows in rows_list:
+            reqs = max(1, rows // (args.k + 1))
+            traffic = realistic_batch(reqs, args.k, args.vocab, seed=rows, mix=mix,
+                                      device="cuda")  # fmt: skip
+            paths: dict[str, Callable[[], Any]] = {
+                "shardmax": _shardmax_step(traffic, mix, False),
+            }
+            if mix != "greedy":
+                paths["shardmax+read"] = _shardmax_step(traffic, mix, True)
+            if chain is not None:
+                paths["vllm"] = _vllm_step(traffic, mix, chain)
+            for path, step in paths.items():
+                row = {"mix": mix, "rows": reqs * (args.k + 1), "reqs": reqs,
+                       "vocab": args.vocab, "dtype": "bf16", "tp": 1, "path": path,
+                       "steps": args.steps, "forward_us": round(forward_us, 1),
+                       "note": note if path == "vllm" else ""}  # fmt: skip
+                row.update(_measure(step, forward, args.steps, reqs))
+                row["gpu_us_graph"] = _graph_gpu_us(step)
+                row["host_sync"] = _syncs(step)
+                row["fallback_rate"] = ""
+                results.append(row)
+                print(
+                    f"{mix:11} rows={row['rows']:4} {path:14} host {row['host_us_mean']:7.1f} us"
+                    f" (p50 {row['host_us_p50']:6.1f})  gpu(loop) {row['gpu_us_loop']:7.1f} us"
+                    f"  step {row['step_us']:7.1f} us  {row['tokens_per_s']:9.0f} tok/s"
+                    f"  sync: {row['host_sync']}",
+                    flush=True,
+                )
+    path = out_dir / "engine.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in results:
+            w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
+    print(f"wrote {path}")
+    print(summary(results))
+    (out_dir / "ENGINE.md").write_text(summary(results) + "\n")
+    return 0
+
+
+def summary(results: list[dict[str, Any]]) -> str:
+    """Markdown: one table per mix and the issue-19 targets, PASS/FAIL from these numbers."""
+    lines = ["# Engine-faithful loop (verification eager, as model runner V2 calls it)", ""]
+    by = {(r["mix"], r["rows"], r["path"]): r for r in results}
+    for mix in dict.fromkeys(r["mix"] for r in results):
+        lines += [f"## {mix}", "", "| rows | path | host us (mean / p50) | GPU us loop / graph | "
+                  "step us | tokens/s | host sync |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in (r for r in results if r["mix"] == mix):
+            g = r["gpu_us_graph"]
+            gs = f"{g:.1f}" if isinstance(g, float) else g
+            lines.append(
+                f"| {r['rows']} | {r['path']} | {r['host_us_mean']:.1f} / {r['host_us_p50']:.1f} "
+                f"| {r['gpu_us_loop']:.1f} / {gs} | {r['step_us']:.1f} | "
+                f"{r['tokens_per_s']:.0f} | {r['host_sync']} |"
+            )
+        lines.append("")
+    lines += ["## Targets (issue 19)", ""]
+    for (mix, rows, path), r in by.items():
+        if path != "shardmax":
+            continue
+        budget = HOST_TARGET_US[mix]
+        ok = r["host_us_mean"] <= budget
+        lines.append(f"- {mix} rows {rows}: host {r['host_us_mean']:.1f} us <= {budget:.0f}: "
+                     f"{'PASS' if ok else 'FAIL'}; sync-free: "
+                     f"{'PASS' if r['host_sync'] == 'none' else 'FAIL'}")  # fmt: skip
+        v = by.get((mix, rows, "vllm"))
+        if v is not None:
+            lines.append(
+                f"  - vs vLLM: host {r['host_us_mean']:.1f} vs {v['host_us_mean']:.1f} us "
+                f"({'PASS' if r['host_us_mean'] < v['host_us_mean'] else 'FAIL'}); tokens/s "
+                f"{r['tokens_per_s']:.0f} vs {v['tokens_per_s']:.0f} "
+                f"({'PASS' if r['tokens_per_s'] >= v['tokens_per_s'] else 'FAIL'})"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
