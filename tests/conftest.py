@@ -39,12 +39,11 @@ _LOCAL_KEPT = {
 
 
 def _slow_by_default(item: pytest.Item) -> bool:
-    name = getattr(item, "originalname", item.name)
-    if item.module is not None and item.module.__name__.endswith("test_argmax"):  # type: ignore[attr-defined]
-        if name == "test_every_local_variant_every_finish":
-            variant = item.callspec.params.get("variant")
-            return variant not in _LOCAL_KEPT
-    return False
+    if getattr(item, "originalname", item.name) != "test_every_local_variant_every_finish":
+        return False
+    if not item.nodeid.startswith("tests/test_argmax.py::"):
+        return False
+    return item.callspec.params.get("variant") not in _LOCAL_KEPT  # type: ignore[attr-defined]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -406,9 +406,26 @@ def test_step_part_without_gpus_is_unavailable_not_failed(tmp_path: Path) -> Non
 # ------------------------------------------------------------------------------- smoke
 
 
+def test_smoke_run_local_part_on_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The local part of the harness for real (interpreter), published because complete."""
+    from benchmarks.__main__ import main
+
+    monkeypatch.delenv("OUT", raising=False)
+    assert main(["--smoke", "--part", "local", "--no-progress", "--out", str(tmp_path)]) == 0
+    local = report.read_csv(tmp_path / "local.csv")
+    assert {r["method"] for r in local} >= {"empty_launch", "shardmax_keys", "shardmax_local"}
+    assert not [r for r in local if r.get("error")]
+    assert all(r["correct"] == 1 for r in local if str(r["method"]).startswith("shardmax"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["SUMMARY.md", "local.csv", "local.png"]
+    assert "[local] " in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_smoke_run_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole harness (local part, 2-process gloo step, report) on tiny CPU shapes."""
+    """The whole harness (local part, 2-process gloo step, report) on tiny CPU shapes (slow:
+    85 CPU-s; the local part runs by default above, the run rules with stand-in parts)."""
     from benchmarks.__main__ import main
 
     monkeypatch.delenv("OUT", raising=False)
