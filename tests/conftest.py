@@ -31,19 +31,28 @@ DEFAULT_MARKEXPR = "not e2e and not slow"
 # test_every_local_variant_every_finish: 24 shard_keys variants (3 dtypes x 2 alignments x 4
 # blocks), 13-26 CPU-s each; the default keeps every (alignment, block) pair once with the
 # dtypes rotating (each dtype at least twice), the other 16 run with --slow.
-_LOCAL_KEPT = {
-    "shard_keys_bf16_va1_b1024", "shard_keys_fp16_va1_b2048", "shard_keys_fp32_va1_b4096",
-    "shard_keys_bf16_va1_b8192", "shard_keys_fp16_va16_b1024", "shard_keys_fp32_va16_b2048",
-    "shard_keys_bf16_va16_b4096", "shard_keys_fp16_va16_b8192",
+# test_vocab_and_k: 4 vocabularies x K 1/3/5 (each over TP 1/2/3/4/8); the default keeps every
+# vocabulary once and every K at least once.
+_KEPT_BY_DEFAULT: dict[str, tuple[str, set[object]]] = {
+    "tests/test_argmax.py::test_every_local_variant_every_finish": ("variant", {
+        "shard_keys_bf16_va1_b1024", "shard_keys_fp16_va1_b2048", "shard_keys_fp32_va1_b4096",
+        "shard_keys_bf16_va1_b8192", "shard_keys_fp16_va16_b1024", "shard_keys_fp32_va16_b2048",
+        "shard_keys_bf16_va16_b4096", "shard_keys_fp16_va16_b8192",
+    }),
+    "tests/test_verify.py::test_vocab_and_k": ("vocab,k", {
+        (1000, 3), (32001, 5), (50257, 1), (200064, 5),
+    }),
 }  # fmt: skip
 
 
 def _slow_by_default(item: pytest.Item) -> bool:
-    if getattr(item, "originalname", item.name) != "test_every_local_variant_every_finish":
+    rule = _KEPT_BY_DEFAULT.get(item.nodeid.split("[", 1)[0])
+    if rule is None:
         return False
-    if not item.nodeid.startswith("tests/test_argmax.py::"):
-        return False
-    return item.callspec.params.get("variant") not in _LOCAL_KEPT  # type: ignore[attr-defined]
+    params = item.callspec.params  # type: ignore[attr-defined]
+    names = rule[0].split(",")
+    value = params[names[0]] if len(names) == 1 else tuple(params[n] for n in names)
+    return value not in rule[1]
 
 
 def pytest_configure(config: pytest.Config) -> None:
