@@ -1,13 +1,19 @@
 """shardmax benchmarks: local kernel (1 GPU) and whole TP2 step (2 GPUs, NCCL), CSV + PNG + SUMMARY.
 
-Run from the repository root::
+From any directory once shardmax is installed (``pip install -e .`` or the wheel; this folder
+ships as ``shardmax.benchmarks``)::
 
-    python -m benchmarks [--part local|step|all] [--quick] [--out DIR]
+    shardmax-bench [--part local|step|all] [--quick] [--out DIR]      # = python -m shardmax.benchmarks
+    python -m benchmarks ...                                          # the same, from the repo root
     python -m benchmarks.report --in benchmarks/results/sm90     # CSV -> PNG + SUMMARY.md (CPU)
 
-Not part of the installed package. Works from a plain checkout too: the GPU parts call
-:func:`ensure_shardmax_layout`, which maps the repository's ``generated/`` folder to
-``shardmax.generated`` when that is not importable (no ``pip install -e .``), as
+Results go to ``benchmarks/results/<arch>/`` (a GPU run), or to the git-ignored
+``benchmarks/results/interpreter/`` for a CPU run under the Triton interpreter (``--interpreter``
+or ``--smoke``), and only from a complete run (see :mod:`benchmarks.__main__`).
+
+Works from a plain checkout too: the GPU parts call :func:`ensure_shardmax_layout`, which maps
+the repository's ``generated/`` and ``generator/`` folders to ``shardmax.generated`` and
+``shardmax.generator`` when those are not importable (no ``pip install -e .``), as
 ``pyproject.toml``'s ``package-dir`` does for an install. Importing this package imports nothing
 heavy (the report runs without torch).
 """
@@ -23,23 +29,26 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def ensure_shardmax_layout() -> None:
-    """Make ``shardmax.generated`` importable from a checkout that was not pip-installed."""
-    try:
-        importlib.import_module("shardmax.generated")
-        return
-    except ModuleNotFoundError:
-        pass
-    init = ROOT / "generated" / "__init__.py"
-    if not init.exists():
-        return
-    import shardmax
+    """Make ``shardmax.generated`` / ``shardmax.generator`` importable from a checkout that
+    was not pip-installed (no-op when they are)."""
+    for sub in ("generated", "generator"):
+        name = f"shardmax.{sub}"
+        try:
+            importlib.import_module(name)
+            continue
+        except ModuleNotFoundError:
+            pass
+        init = ROOT / sub / "__init__.py"
+        if not init.exists():
+            continue
+        import shardmax
 
-    spec = importlib.util.spec_from_file_location(
-        "shardmax.generated", init, submodule_search_locations=[str(init.parent)]
-    )
-    if spec is None or spec.loader is None:
-        return
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["shardmax.generated"] = mod
-    spec.loader.exec_module(mod)
-    shardmax.generated = mod  # type: ignore[attr-defined]
+        spec = importlib.util.spec_from_file_location(
+            name, init, submodule_search_locations=[str(init.parent)]
+        )
+        if spec is None or spec.loader is None:
+            continue
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        setattr(shardmax, sub, mod)

@@ -115,9 +115,9 @@ def _shardmax_step(traffic: Any, mix: str, read_flags: bool) -> Callable[[], Any
 
 def _vllm_step(traffic: Any, mix: str, chain: Any) -> Callable[[], Any]:
     t = traffic
-    expanded_idx = torch.repeat_interleave(
-        t.idx_mapping, torch.diff(t.cu_num_logits.long())
-    ).to(torch.int32)
+    expanded_idx = torch.repeat_interleave(t.idx_mapping, torch.diff(t.cu_num_logits.long())).to(
+        torch.int32
+    )
     temp_np = t.temperature.cpu().numpy()
     top_p_np = t.top_p.cpu().numpy() if t.top_p is not None else None
 

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import timing
-from benchmarks.report import LOCAL_FIELDS, CsvAppender
+from . import timing
+from .outcome import PartOutcome, analyze
+from .report import LOCAL_FIELDS, CsvAppender
 
 LOG = functools.partial(print, flush=True)
 PAD_TO = 64
@@ -106,12 +107,19 @@ def run_local(
     deadline: float,
     log: Callable[[str], None] = LOG,
     device: str | None = None,
-) -> Path:
-    """Measure every configuration of ``plan``; append rows to ``out_dir/local.csv``."""
-    from benchmarks import ensure_shardmax_layout
+    show_progress: bool = True,
+) -> PartOutcome:
+    """Measure every configuration of ``plan``; write the rows to ``out_dir/local.csv``.
+
+    Returns the part's :class:`PartOutcome` (cases measured / failed, shapes the ``deadline``
+    (``time.monotonic()``) cut). A failing shape or TP size writes its row with the error and
+    the run goes on.
+    """
+    from . import ensure_shardmax_layout
 
     ensure_shardmax_layout()
     import torch
+    from shardmax.generator.console import progress
 
     dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
@@ -126,6 +134,7 @@ def run_local(
         log(f"[local] copy bandwidth (D2D, read+write): {copy_bw:.0f} GB/s")
     except Exception as e:
         log(f"[local] copy bandwidth probe FAILED: {type(e).__name__}: {e}")
+        writer.write(_row(method="copy_bandwidth", error=f"{type(e).__name__}: {e}"[:300]))
     try:
         st = timing.empty_launch_us(dev)
         empty_us = st.p50
@@ -137,21 +146,31 @@ def run_local(
         log(f"[local] empty Triton launch under graph replay: {empty_us:.2f} us")
     except Exception as e:
         log(f"[local] empty-launch probe FAILED: {type(e).__name__}: {e}")
+        writer.write(_row(method="empty_launch", error=f"{type(e).__name__}: {e}"[:300]))
 
     common = {"copy_bw_GBps": copy_bw, "empty_us": empty_us}
-    for dtype in plan.dtypes:
-        for vocab in plan.vocabs:
-            for rows in plan.rows:
-                if time.monotonic() > deadline:
-                    log(f"[local] time budget spent: skipping {dtype} V={vocab} rows={rows}")
-                    continue
-                try:
-                    _one_shape(dev, dtype, vocab, rows, plan.tps, writer, common, log)
-                except Exception as e:  # one shape failing never stops the run
-                    log(f"[local] {dtype} V={vocab} rows={rows} FAILED: {type(e).__name__}: {e}")
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-    return out
+    shapes = [(d, v, r) for d in plan.dtypes for v in plan.vocabs for r in plan.rows]
+    skipped: list[str] = []
+    with progress(len(shapes), "[local] shapes", enabled=show_progress, every=1) as bar:
+        for dtype, vocab, rows in shapes:
+            tag = f"{dtype} V={vocab} rows={rows}"
+            bar.set_postfix_str(tag)
+            if time.monotonic() > deadline:
+                log(f"[local] time budget spent: skipping {tag}")
+                skipped.append(tag)
+                bar.update(1)
+                continue
+            try:
+                _one_shape(dev, dtype, vocab, rows, plan.tps, writer, common, log)
+            except Exception as e:  # one shape failing never stops the run
+                msg = f"{type(e).__name__}: {e}"
+                log(f"[local] {tag} FAILED: {msg}")
+                writer.write(_row(method="shape", dtype=dtype, vocab=vocab, rows=rows,
+                                  error=msg[:300]))  # fmt: skip
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            bar.update(1)
+    return analyze("local", out, skipped=skipped)
 
 
 def _timed(
@@ -214,9 +233,9 @@ def _one_shape(
                 dev, dtype_name, torch_dtype, tp, vocab_start, num_valid, width, writer, base, log
             )
         except Exception as e:  # the next TP size still runs
-            log(
-                f"[local] {dtype_name} V={vocab} tp={tp} rows={rows} FAILED: {type(e).__name__}: {e}"
-            )
+            msg = f"{type(e).__name__}: {e}"
+            log(f"[local] {dtype_name} V={vocab} tp={tp} rows={rows} FAILED: {msg}")
+            writer.write(_row(method="shape", tp=tp, error=msg[:300], **base))
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 

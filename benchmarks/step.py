@@ -63,8 +63,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import timing
-from benchmarks.report import STEP_FIELDS, CsvAppender
+from . import timing
+from .outcome import PartOutcome, analyze
+from .report import STEP_FIELDS, CsvAppender
 
 LOG = functools.partial(print, flush=True)
 VOCAB = 200064
@@ -233,9 +234,16 @@ def run_step(
     log: Callable[[str], None] = LOG,
     world: int = 2,
     backend: str = "nccl",
-) -> Path | None:
+    show_progress: bool = True,
+) -> PartOutcome:
     """Spawn ``world`` processes (one per GPU) that run :func:`_worker`; wait until
-    ``deadline`` (then kill them: rows already written stay). Returns the CSV path."""
+    ``deadline`` (then kill them: rows already written stay in ``out_dir/step_tp2.csv``).
+
+    Returns the part's :class:`PartOutcome`: rank 0 records the shapes the budget cut in
+    ``step_tp2.skipped`` and writes ``step_tp2.done`` when its loop ends, so workers stopped at
+    the deadline or dead count as skipped / failed. ``unavailable`` is set (nothing run) with
+    fewer than ``world`` GPUs on NCCL.
+    """
     import torch
     import torch.multiprocessing as mp
 
@@ -243,20 +251,24 @@ def run_step(
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n < world:
             log(f"[step] needs {world} GPUs, found {n}: skipped")
-            return None
+            return analyze("step", None, unavailable=f"needs {world} GPUs, found {n}")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # multicast stays off (never turn on)
         torch.cuda.empty_cache()
     out = out_dir / "step_tp2.csv"
     CsvAppender(out, STEP_FIELDS)  # header; rank 0 appends
+    skipped_file, done_file = out.with_suffix(".skipped"), out.with_suffix(".done")
+    skipped_file.write_text("")
+    done_file.unlink(missing_ok=True)
     port = free_port()
     ctx = mp.start_processes(
         _worker,
-        args=(world, port, plan, str(out), deadline, backend),
+        args=(world, port, plan, str(out), deadline, backend, show_progress),
         nprocs=world,
         join=False,
         start_method="spawn",
     )
     grace = 30.0
+    failed: list[str] = []
     try:
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline + grace:
@@ -267,19 +279,31 @@ def run_step(
                 break
     except Exception as e:  # a worker failed: its traceback is printed by mp
         log(f"[step] worker failed: {type(e).__name__}: {str(e)[-2000:]}")
-    return out
+        failed.append(f"worker: {type(e).__name__}: {str(e)[-300:]}")
+    skipped = [s for s in skipped_file.read_text().splitlines() if s]
+    if not done_file.exists() and not failed:
+        skipped.append("workers stopped before the end of the plan")
+    return analyze("step", out, skipped=skipped, failed=failed)
 
 
 def _worker(
-    rank: int, world: int, port: int, plan: StepPlan, out: str, deadline: float, backend: str
+    rank: int,
+    world: int,
+    port: int,
+    plan: StepPlan,
+    out: str,
+    deadline: float,
+    backend: str,
+    show_progress: bool = True,
 ) -> None:
     from datetime import timedelta
 
-    from benchmarks import ensure_shardmax_layout
+    from . import ensure_shardmax_layout
 
     ensure_shardmax_layout()
     import torch
     import torch.distributed as dist
+    from shardmax.generator.console import progress
 
     if backend == "nccl":
         dev = torch.device("cuda", rank)
@@ -296,21 +320,36 @@ def _worker(
         )  # fmt: skip
     log = LOG if rank == 0 else (lambda s: None)
     writer = CsvAppender(Path(out), STEP_FIELDS, new_file=False) if rank == 0 else None
+    shapes = [(d, r) for d in plan.dtypes for r in plan.rows]
+    out_path = Path(out)
     try:
         bench = _StepBench(rank, world, dev, plan, writer, log)
-        for dtype in plan.dtypes:
-            for rows in plan.rows:
+        with progress(
+            len(shapes), "[step] shapes", enabled=show_progress and rank == 0, every=1
+        ) as bar:
+            for dtype, rows in shapes:
+                bar.set_postfix_str(f"{dtype} rows={rows}")
                 go = bench.agree(time.monotonic() < deadline)
                 if not go:
                     log(f"[step] time budget spent: skipping {dtype} rows={rows}")
+                    if rank == 0:
+                        with out_path.with_suffix(".skipped").open("a") as f:
+                            f.write(f"{dtype} rows={rows}\n")
+                    bar.update(1)
                     continue
                 try:
                     bench.one_shape(dtype, rows)
                 except Exception as e:
-                    log(f"[step] {dtype} rows={rows} FAILED: {type(e).__name__}: {e}")
+                    msg = f"{type(e).__name__}: {e}"
+                    log(f"[step] {dtype} rows={rows} FAILED: {msg}")
                     traceback.print_exc()
+                    bench._write({"dtype": dtype, "vocab": plan.vocab, "tp": world,
+                                  "rows": rows, "op": "shape"}, error=msg)  # fmt: skip
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
+                bar.update(1)
+        if rank == 0:
+            out_path.with_suffix(".done").write_text("done\n")
     finally:
         with contextlib.suppress(Exception):
             dist.barrier()
@@ -371,11 +410,12 @@ class _StepBench:
         import torch.distributed as dist
 
         import shardmax
-        from benchmarks.local import DTYPE_BYTES, dispatched_selection
         from shardmax import reference
         from shardmax.ops.greedy import verify_finish
         from shardmax.runtime.dispatch import PLAIN, Selection, alignment_of, select
         from shardmax.runtime.validation import SUPPORTED_DTYPES, check_step_batch
+
+        from .local import DTYPE_BYTES, dispatched_selection
 
         plan, dev, tp = self.plan, self.dev, self.world
         torch_dtype = {v: k for k, v in SUPPORTED_DTYPES.items()}[dtype_name]
@@ -588,7 +628,7 @@ class _StepBench:
                              " + bool(fallback.any())" if hostread else "")})  # fmt: skip
 
         # ---- vLLM unfused get_top_tokens (spec §3.3)
-        from benchmarks.local import vllm_unfused_local
+        from .local import vllm_unfused_local
 
         def vllm_step(i: int) -> Any:
             pair = vllm_unfused_local(xs[i], num_pad, vs, tp, upcast=False)

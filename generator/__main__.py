@@ -5,6 +5,10 @@ python -m generator --check         exit 1 if generated/ is stale (renders in me
 python -m generator --arch all      also compile every variant for sm90 and gfx950 and
                                     write generated/<arch>/resources.json
 python -m generator --check --arch all   CI: stale check + compile check
+
+The same command is `shardmax-generate` (console script) or `python -m shardmax.generator`
+from any directory once shardmax is installed; `python -m generator` works from the
+repository root. The AOT compile (a few minutes on 2 CPU cores) shows its progress.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from pathlib import Path
 
 from .aot import compile_all
+from .console import prog_name, progress
 from .render import generated_dir, render_all, stale_files, write_all
 from .space import ARCHES
 
@@ -37,7 +42,7 @@ def stale_resources(out: Path, variants: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m generator",
+        prog=prog_name(__package__, "shardmax-generate"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -53,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         help="do not write; exit 1 if generated/ differs from the templates",
     )
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: generated/)")
+    ap.add_argument(
+        "--no-progress", action="store_true", help="no progress bar / lines during the compile"
+    )
     args = ap.parse_args(argv)
     if args.arch != "none" and os.environ.get("TRITON_INTERPRET") == "1":
         # Ahead-of-time compilation needs real @jit functions; under the interpreter Triton
@@ -88,7 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     arches = list(ARCHES) if args.arch == "all" else ([] if args.arch == "none" else [args.arch])
     if arches:
         t0 = time.time()
-        records = compile_all(out, [n[:-3] for n in names], arches)
+        variants = [n[:-3] for n in names]
+        with progress(
+            len(variants) * len(arches),
+            f"AOT compile ({' + '.join(arches)})",
+            enabled=not args.no_progress,
+            min_interval=15.0,
+        ) as bar:
+
+            def tick(arch: str, name: str) -> None:
+                bar.set_postfix_str(f"{arch} {name}")
+                bar.update(1)
+
+            records = compile_all(out, variants, arches, on_compiled=tick)
         for arch, rec in records.items():
             spilling = [n for n, r in rec["variants"].items() if r["spill_bytes"] > 0]
             print(

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -97,10 +98,16 @@ def compile_variant(mod: ModuleType, arch: ArchLimits, num_warps: int = 4) -> di
     return res
 
 
-def compile_all(gen_dir: Path, names: list[str], arches: list[str]) -> dict[str, dict[str, Any]]:
+def compile_all(
+    gen_dir: Path,
+    names: list[str],
+    arches: list[str],
+    on_compiled: Callable[[str, str], None] | None = None,
+) -> dict[str, dict[str, Any]]:
     """Compile every named variant for every arch: ``{arch: {name: record}}``.
 
-    Raises RuntimeError naming the variant and arch on the first compile failure.
+    ``on_compiled(arch, name)`` is called after each compile (progress). Raises RuntimeError
+    naming the variant and arch on the first compile failure.
     """
     import triton
 
@@ -114,5 +121,7 @@ def compile_all(gen_dir: Path, names: list[str], arches: list[str]) -> dict[str,
                 records[name] = compile_variant(mod, arch)
             except Exception as e:  # report which variant failed, keep the cause
                 raise RuntimeError(f"AOT compile of {name} for {arch_id} failed: {e}") from e
+            if on_compiled is not None:
+                on_compiled(arch_id, name)
         result[arch_id] = {"triton_version": triton.__version__, "variants": records}
     return result

@@ -7,6 +7,7 @@
 #    with 2+ GPUs also the transport/plain sweep over NCCL), then the quick benchmark.
 #  - no GPU: the tuner's CPU mode (Triton interpreter: a tiny sweep end to end; timings are
 #    meaningless and no table is written).
+# Long steps show progress: a bar on a terminal, a line with an ETA every few items in a log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
@@ -21,7 +22,7 @@ python -m shardmax.demo
 if [ "$NGPU" -ge 1 ]; then
   export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
   echo "== tuner: quick sweep on this GPU"
-  python -m tuner --quick $([ -t 2 ] || echo --no-progress)
+  python -m tuner --quick
   if [ "$NGPU" -ge 2 ]; then
     echo "== tuner: transport and plain path over NCCL at TP=$NGPU"
     torchrun --nproc-per-node "$NGPU" -m tuner --distributed --quick
@@ -30,7 +31,7 @@ if [ "$NGPU" -ge 1 ]; then
   python -m benchmarks --quick
 else
   echo "== tuner: CPU mode (interpreter, tiny sweep, no table written)"
-  python -m tuner --studies-dir "$(mktemp -d)" $([ -t 2 ] || echo --no-progress)
+  python -m tuner --studies-dir "$(mktemp -d)"
 fi
 
 echo "== dispatcher: what a serving process would launch"

@@ -20,13 +20,13 @@ fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! python -c "import torch" 2>/dev/null; then
-  echo "[setup] installing the CPU build of torch (torch==2.13.0)"
-  python -m pip install -q "torch==2.13.0"
+  echo "[setup] installing the CPU build of torch (torch==2.13.0; about a minute)"
+  python -m pip install "torch==2.13.0"
 fi
 if ! python -c "import shardmax, optuna, ruff, mypy, pytest" 2>/dev/null \
     || [ pyproject.toml -nt .venv/.shardmax-installed ]; then
-  echo "[setup] installing shardmax (editable) with dev tools"
-  python -m pip install -q -e ".[dev]"
+  echo "[setup] installing shardmax (editable) with dev tools (about a minute)"
+  python -m pip install -e ".[dev]"
   touch .venv/.shardmax-installed
 fi
 # Triton 3.9+ warns until the FP-fusion default is explicit; keep the default vLLM runs with.

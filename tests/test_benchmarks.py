@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import report
+import benchmarks.__main__ as bench_main
+from benchmarks import local as local_mod
+from benchmarks import outcome, report
 from benchmarks import step as step_mod
 from benchmarks.__main__ import (
-    DEFAULT_OUT,
     ROWS_FULL,
     ROWS_QUICK,
     copy_to_env_out,
@@ -30,9 +31,12 @@ from benchmarks.step import make_verify_batch, request_counts, wire_bytes_per_ra
 
 def test_cli_defaults() -> None:
     a = parse_args([])
-    assert a.part == "all" and not a.quick and not a.smoke
-    assert a.out == DEFAULT_OUT == Path("benchmarks/results/sm90")
+    assert a.part == "all" and not a.quick and not a.smoke and not a.interpreter
+    assert a.out is None  # resolved to benchmarks/results/<arch> once the device is known
     assert a.budget_s == 480.0
+    assert parse_args(["--smoke"]).interpreter  # --smoke implies the interpreter
+    root = bench_main.results_root()  # the checkout's folder when run from the repository
+    assert root == Path(bench_main.__file__).resolve().parent / "results"
 
 
 def test_cli_options() -> None:
@@ -282,12 +286,146 @@ def test_copy_to_env_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert sorted(p.name for p in dest.iterdir()) == ["SUMMARY.md", "local.csv"]
 
 
+# ------------------------------------------------------------------------------- run rules
+
+
+def _fake_local(rows: list[dict[str, object]], skipped: list[str] | None = None) -> object:
+    """A stand-in for ``run_local`` that writes ``rows`` as this run's local.csv."""
+
+    def fake(
+        plan: object, out_dir: Path, deadline: float, device: str | None = None,
+        show_progress: bool = True,
+    ) -> outcome.PartOutcome:  # fmt: skip
+        _write(out_dir / "local.csv", report.LOCAL_FIELDS, rows)
+        return outcome.analyze("local", out_dir / "local.csv", skipped=skipped)
+
+    return fake
+
+
+def _old_results(folder: Path) -> dict[str, bytes]:
+    """A results folder as an earlier (complete, all targets met) run left it."""
+    folder.mkdir(parents=True)
+    _write(folder / "local.csv", report.LOCAL_FIELDS, _local_rows(frac=0.9, empty_ratio=1.2))
+    _write(folder / "step_tp2.csv", report.STEP_FIELDS, _step_rows({"fp32": 10.0, "bf16": 10.0}))
+    (folder / "SUMMARY.md").write_text("old summary\n")
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_refuses_without_gpu_unless_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench_main, "results_root", lambda: tmp_path)
+    assert bench_main.main([]) == bench_main.EXIT_REFUSED == 2
+    assert bench_main.main(["--quick", "--part", "local"]) == 2
+    err = capsys.readouterr().err
+    assert "no GPU" in err and "--interpreter" in err and "--smoke" in err
+    assert list(tmp_path.iterdir()) == []  # nothing written anywhere
+
+
+def test_failed_case_exits_nonzero_and_keeps_old_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sm90"
+    before = _old_results(out)
+    rows = _local_rows(frac=0.9, empty_ratio=1.2)
+    rows.append({"dtype": "bf16", "vocab": 200064, "tp": 1, "rows": 32, "method": "shardmax_keys",
+                 "error": "RuntimeError: Triton interpreter is off"})  # fmt: skip
+    monkeypatch.setattr(local_mod, "run_local", _fake_local(rows))
+    monkeypatch.delenv("OUT", raising=False)
+    assert bench_main.main(["--interpreter", "--part", "local", "--out", str(out)]) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched
+    text = capsys.readouterr().out
+    assert "NOT written to" in text and "a case failed" in text and "1 failed" in text
+
+
+def test_mismatch_counts_as_failure_but_baseline_ties_do_not(tmp_path: Path) -> None:
+    assert not outcome.PartOutcome("local", None).complete  # nothing measured
+    rows = [{"method": "shardmax_keys", "p50_us": 3.0, "correct": 0},
+            {"method": "vllm_unfused", "p50_us": 3.0, "correct": 0}]  # fmt: skip
+    csv_path = tmp_path / "local.csv"
+    _write(csv_path, report.LOCAL_FIELDS, rows)
+    o = outcome.analyze("local", csv_path)
+    assert o.measured == 2 and len(o.failed) == 1 and "shardmax_keys" in o.failed[0]
+    _write(csv_path, report.STEP_FIELDS, [{"op": "argmax", "path": "vllm_unfused",
+                                           "p50_us": 3.0, "correct": 0}])  # fmt: skip
+    assert len(outcome.analyze("step", csv_path).failed) == 1  # every step path is checked
+    o = outcome.analyze("step", None, unavailable="needs 2 GPUs")
+    assert o.unavailable and not o.failed and not o.complete
+
+
+def test_budget_cut_or_nothing_measured_is_not_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sm90"
+    before = _old_results(out)
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr(
+        local_mod, "run_local", _fake_local(_local_rows(0.9, 1.2), skipped=["fp32 V=1 rows=2"])
+    )
+    assert bench_main.main(["--interpreter", "--part", "local", "--out", str(out)]) == 1
+    assert "the time budget cut the plan" in capsys.readouterr().out
+    monkeypatch.setattr(local_mod, "run_local", _fake_local([]))
+    assert bench_main.main(["--interpreter", "--part", "local", "--out", str(out)]) == 1
+    assert "no case ran" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_complete_run_publishes_only_its_own_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A complete local-only run replaces local.csv/local.png/SUMMARY.md; the older
+    step_tp2.csv stays but is never evaluated: the step targets read NOT MEASURED."""
+    out = tmp_path / "sm90"
+    before = _old_results(out)
+    monkeypatch.delenv("OUT", raising=False)
+    # this run misses the floor target (old one met it): the digest must say so
+    monkeypatch.setattr(local_mod, "run_local", _fake_local(_local_rows(0.5, 1.2)))
+    assert bench_main.main(["--interpreter", "--part", "local", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "[FAIL] local kernel >= 85% of HBM floor" in text
+    assert "[NOT MEASURED] sharded verification step TP2" in text
+    assert "== step TP2" not in text  # no step table from the old CSV
+    assert (out / "step_tp2.csv").read_bytes() == before["step_tp2.csv"]
+    assert (out / "local.csv").read_bytes() != before["local.csv"]
+    assert (out / "local.png").exists()
+    summary = (out / "SUMMARY.md").read_text()
+    assert "Not measured in this run: step_tp2.csv" in summary
+    step_targets = [ln for ln in summary.splitlines() if "TP2" in ln and ln.startswith("| ")]
+    assert len(step_targets) >= 3 and all(ln.endswith("| NOT MEASURED |") for ln in step_targets)
+
+
+def test_step_part_without_gpus_is_unavailable_not_failed(tmp_path: Path) -> None:
+    from benchmarks.step import StepPlan, run_step
+
+    o = run_step(StepPlan(dtypes=("bf16",), rows=(4,)), tmp_path, deadline=0.0, backend="nccl")
+    assert o.unavailable.startswith("needs 2 GPUs") and not o.failed and not o.complete
+    assert list(tmp_path.iterdir()) == []
+
+
 # ------------------------------------------------------------------------------- smoke
+
+
+def test_smoke_run_local_part_on_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The local part of the harness for real (interpreter), published because complete."""
+    from benchmarks.__main__ import main
+
+    monkeypatch.delenv("OUT", raising=False)
+    assert main(["--smoke", "--part", "local", "--no-progress", "--out", str(tmp_path)]) == 0
+    local = report.read_csv(tmp_path / "local.csv")
+    assert {r["method"] for r in local} >= {"empty_launch", "shardmax_keys", "shardmax_local"}
+    assert not [r for r in local if r.get("error")]
+    assert all(r["correct"] == 1 for r in local if str(r["method"]).startswith("shardmax"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["SUMMARY.md", "local.csv", "local.png"]
+    assert "[local] " in capsys.readouterr().out
 
 
 @pytest.mark.slow
 def test_smoke_run_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole harness (local part, 2-process gloo step, report) on tiny CPU shapes."""
+    """The whole harness (local part, 2-process gloo step, report) on tiny CPU shapes (slow:
+    85 CPU-s; the local part runs by default above, the run rules with stand-in parts)."""
     from benchmarks.__main__ import main
 
     monkeypatch.delenv("OUT", raising=False)

@@ -1,7 +1,11 @@
-"""CLI: ``python -m tuner`` (from the repo) / ``shardmax-tune`` (installed). See README.md.
+"""CLI: ``shardmax-tune`` = ``python -m shardmax.tuner`` (installed, any directory) =
+``python -m tuner`` (from the repository root). See README.md.
 
 Imports only the standard library at module level so ``--help`` works on an image without
 optuna; the sweep itself needs optuna (and torch/triton), imported after argument parsing.
+On a machine without a GPU the sweep runs in the Triton interpreter: if ``TRITON_INTERPRET=1``
+is not in the environment, the command runs itself again with it (Triton reads it when it
+loads, which a console script has already done).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +26,23 @@ CPU_BANNER = """\
 ======================================================================================"""
 
 
+def _prog() -> str:
+    try:
+        from shardmax.generator.console import prog_name
+    except ModuleNotFoundError:  # shardmax not installed: only --help can work
+        return "python -m tuner"
+    return prog_name(__package__, "shardmax-tune")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="shardmax-tune",
+        prog=_prog(),
         description="Tune shardmax's local-stage variants, launch parameters and transport per "
-        "GPU arch with Optuna; write generated/<arch>/<op>.json.",
-        epilog="Examples: `python -m tuner --quick` (one GPU, < 10 min); "
-        "`torchrun --nproc-per-node 2 -m tuner --distributed --quick` (transport and "
+        "GPU arch with Optuna; write generated/<arch>/<op>.json. The same tool is "
+        "`shardmax-tune`, `python -m shardmax.tuner` (any directory) and `python -m tuner` "
+        "(repository root).",
+        epilog="Examples: `shardmax-tune --quick` (one GPU, < 10 min); "
+        "`torchrun --nproc-per-node 2 -m shardmax.tuner --distributed --quick` (transport and "
         "plain path with a real TP=2 group).",
     )
     p.add_argument(
@@ -111,7 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--l2-cold", action="store_true", help="rotate input copies (>= 3x L2/MALL)")
     p.add_argument("--rounds", type=int, help="interleaved re-measure rounds (5; 2 on CPU)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (terminal) or progress lines with ETA (log file)",
+    )
     p.add_argument(
         "--init-defaults",
         action="store_true",
@@ -129,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        os.environ["TRITON_INTERPRET"] = "1"  # before any generated kernel module is imported
+        from shardmax.generator.console import rerun_with_interpreter
+
+        rc = rerun_with_interpreter(__package__ or "tuner", argv)
+        if rc is not None:
+            return rc
     from shardmax.runtime.dispatch import OPS, detect_arch
 
     from . import export
@@ -237,8 +260,10 @@ def _sweep(
         storage=storage_desc,
         space="quick" if quick_space else "full",
     )
-    for op in ops:
-        bs = buckets(
+    from shardmax.generator.console import format_us, progress
+
+    plan = {
+        op: buckets(
             op,
             quick=args.quick,
             tiny=not on_gpu,
@@ -247,12 +272,22 @@ def _sweep(
             vocabs=args.vocab,
             rows=args.rows,
         )
+        for op in ops
+    }
+    bucket_bar = progress(
+        sum(len(bs) for bs in plan.values()),
+        f"[{arch}] buckets",
+        enabled=root and not args.no_progress,
+        every=1,
+        leave=True,
+    )
+    for op, bs in plan.items():
         storage = study.make_storage(arch, op, args.storage, args.studies_dir) if root else None
         table_now = export.current_table(out_dir, arch, op) if root else None
         new_rows: list[dict[str, Any]] = []
         if root:
             print(f"[{arch} {op}] {len(bs)} buckets, mode: {mode}; metric: {metric}")
-        for b in bs:
+        for b in _ticking(bs, bucket_bar, op):
             if _out_of_budget(deadline, dist_ctx):
                 skipped.append(b.slug)
                 continue
@@ -310,9 +345,13 @@ def _sweep(
                 continue
             new_rows.append(row)
             print(
-                f"    -> {row['variant']} {row['launch']} p50 {row['p50_us']}us"
-                + (f" (default {row['default_p50_us']}us)" if "default_p50_us" in row else "")
-                + (f" (plain {row['plain_p50_us']}us)" if "plain_p50_us" in row else ""),
+                f"    -> {row['variant']} {row['launch']} p50 {format_us(row['p50_us'])}"
+                + (
+                    f" (default {format_us(row['default_p50_us'])})"
+                    if "default_p50_us" in row
+                    else ""
+                )
+                + (f" (plain {format_us(row['plain_p50_us'])})" if "plain_p50_us" in row else ""),
                 flush=True,
             )
             if write:
@@ -328,6 +367,7 @@ def _sweep(
                     print(f"[{arch} {op}] plot {png}")
         elif root and not write:
             print(f"[{arch} {op}] {len(new_rows)} rows NOT written (pass --write-table)")
+    bucket_bar.close()
     if root and skipped:
         print(f"budget spent: {len(skipped)} buckets not tuned: {' '.join(skipped)}")
     if dist_ctx is not None:
@@ -336,6 +376,14 @@ def _sweep(
         tdist.barrier()
         tdist.destroy_process_group()
     return 0
+
+
+def _ticking(items: list[Any], bar: Any, op: str) -> Iterator[Any]:
+    """Yield ``items``, counting each one on ``bar`` once its loop body is done."""
+    for it in items:
+        bar.set_postfix_str(f"{op} {getattr(it, 'slug', it)}")
+        yield it
+        bar.update(1)
 
 
 def _out_of_budget(deadline: float | None, dist_ctx: Any) -> bool:

@@ -137,32 +137,26 @@ def run_bucket(
     if todo <= 0:
         print(f"  {runner.bucket.slug}: grid already exhausted ({len(configs)} points)")
         return
-    bar = _bar(todo, runner.bucket.slug, progress)
+    from shardmax.generator.console import format_us
+    from shardmax.generator.console import progress as make_progress
+
+    # a terminal: a tqdm bar; a log file: a line every tenth of the trials or 30 s, with ETA
+    bar = make_progress(
+        todo, f"  {runner.bucket.slug} trials", enabled=progress, every=max(1, todo // 10)
+    )
 
     def tick(study: Any, trial: Any) -> None:
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix_str(f"best {study.best_value:.2f}us" if _has_complete(study) else "")
+        bar.set_postfix_str(f"best {format_us(study.best_value)}" if _has_complete(study) else "")
+        bar.update(1)
 
     objective = optuna_objective(runner, [c.name for c in configs], seed)
     study.optimize(
         objective, n_trials=todo, timeout=timeout, callbacks=[tick], gc_after_trial=False
     )
-    if bar is not None:
-        bar.close()
+    bar.close()
 
 
 def _has_complete(study: Any) -> bool:
     from optuna.trial import TrialState
 
     return bool(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-
-
-def _bar(total: int, desc: str, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
