@@ -23,11 +23,14 @@
 #                                   256; GPU 1; journal only, no table), then the step benchmark
 #   bash scripts/gpu_session.sh J   the sampled sweep of stage H for fp32 (merged into the sampled
 #                                   table carried in out/tables), then the step benchmark with it
+#   bash scripts/gpu_session.sh K   one H200: every GPU test (sampled calls twice, bit-compared),
+#                                   the fuzz corpus under compute-sanitizer memcheck (value checks
+#                                   off), the engine-faithful loop (benchmarks/engine.py)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A, B, C, D, E, F, G, H, I or J}
+STAGE=${1:?stage A, B, C, D, E, F, G, H, I, J or K}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -190,6 +193,28 @@ I)
     --out benchmarks/results/sm90 >"$OUT/bench_step.log" 2>&1
   echo "  rc=$?"
   tail -22 "$OUT/bench_step.log"
+  ;;
+K)
+  # runtime v2 on one H200: every GPU test (sampled calls twice, bit-compared), the fuzz corpus
+  # under compute-sanitizer memcheck with the value checks off, the engine-faithful loop
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "GPU tests"
+  timeout "$(left 230)" python3 -m pytest -q -p no:cacheprovider -m gpu -W default \
+    tests/test_gpu.py tests/test_strict_vllm.py >"$OUT/tests_K.log" 2>&1
+  echo "  rc=$?"; tail -12 "$OUT/tests_K.log"
+  stamp "fuzz corpus under compute-sanitizer memcheck (value checks off)"
+  SHARDMAX_FUZZ_VALUE_CHECKS=0 SHARDMAX_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-4} timeout "$(left 370)" \
+    compute-sanitizer --tool memcheck --print-limit 20 --error-exitcode 99 \
+    python3 -m pytest -q -p no:cacheprovider -W default tests/test_fuzz.py >"$OUT/sanitizer_K.log" 2>&1
+  echo "  rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer_K.log" | tail -4
+  stamp "engine-faithful loop"
+  timeout "$(left 540)" python3 -m benchmarks.engine --steps 100 \
+    --out "$OUT/engine" >"$OUT/engine_K.log" 2>&1
+  echo "  rc=$?"; tail -45 "$OUT/engine_K.log"
+  SHARDMAX_DIRECT_LAUNCH=0 timeout "$(left 580)" python3 -m benchmarks.engine --steps 100 \
+    --rows 4,96,512 --out "$OUT/engine_slowlaunch" >"$OUT/engine_K_slow.log" 2>&1
+  echo "  Triton's own launch path (SHARDMAX_DIRECT_LAUNCH=0): rc=$?"
+  grep -E "^(greedy|temperature|top_p)" "$OUT/engine_K_slow.log"
   ;;
 *)
   echo "unknown stage $STAGE" >&2

@@ -24,12 +24,14 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
+import triton
 
 from shardmax.runtime.variants import parse_name
 
@@ -136,13 +138,24 @@ class Kernel:
             return self._slow(grid, args, kwargs, key)
         knobs = _knobs()
         stream = torch.cuda.current_stream().cuda_stream
-        g = ((*tuple(grid), 1, 1))[:3]
+        g = (*tuple(grid), 1, 1)[:3]
         enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
-        meta = compiled.launch_metadata(grid, stream, *values) if enter is not None else None
-        compiled.run(
-            g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, meta,
-            enter, leave, *values,
-        )  # fmt: skip
+        try:
+            meta = compiled.launch_metadata(grid, stream, *values) if enter is not None else None
+            compiled.run(
+                g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, meta,
+                enter, leave, *values,
+            )  # fmt: skip
+        except (TypeError, AttributeError) as e:  # a Triton whose launcher differs: use its own
+            self._direct = False
+            self._compiled.clear()
+            warnings.warn(
+                f"shardmax: direct launch of {self.name} unavailable with Triton "
+                f"{triton.__version__} ({type(e).__name__}: {e}); launching through Triton",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._slow(grid, args, kwargs, None)
 
     def _slow(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: Any, key: Any) -> None:
         compiled = self.fn[grid](*args, **kwargs)
