@@ -82,6 +82,7 @@ def _forward_graph(target_us: float) -> tuple[torch.cuda.CUDAGraph, float]:
     g.replay()
     end.record()
     torch.cuda.synchronize()
+    g.shardmax_buffers = (a, b, out)  # type: ignore[attr-defined]  # the graph reads them
     return g, start.elapsed_time(end) * 1000
 
 
@@ -194,6 +195,24 @@ def _graph_gpu_us(step: Callable[[], Any]) -> float | str:
         return f"not capturable: {type(e).__name__}"
 
 
+def _profile(step: Callable[[], Any], tag: str) -> None:
+    """The host functions of 300 calls, by own time (the GPU runs behind, never waited for)."""
+    import cProfile
+    import pstats
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"--- host profile: {tag} (300 calls; tottime s)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def _syncs(step: Callable[[], Any]) -> str:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -218,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forward-us", type=float, default=1000.0)
     ap.add_argument("--vllm-version", default="0.33.0")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print where the host time of shardmax's call goes (cProfile, 300 calls)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.engine: needs a GPU (it times CUDA graphs and eager GPU calls)",
@@ -252,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                 paths["shardmax+read"] = _shardmax_step(traffic, mix, True)
             if chain is not None:
                 paths["vllm"] = _vllm_step(traffic, mix, chain)
+            if args.profile:
+                _profile(paths["shardmax"], f"{mix} rows={reqs * (args.k + 1)}")
             for path, step in paths.items():
                 row = {"mix": mix, "rows": reqs * (args.k + 1), "reqs": reqs,
                        "vocab": args.vocab, "dtype": "bf16", "tp": 1, "path": path,

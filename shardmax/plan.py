@@ -41,7 +41,7 @@ from shardmax.runtime.collectives import resolve
 from shardmax.runtime.dispatch import override_key
 from shardmax.runtime.geometry import Geometry, exchange_geometry
 from shardmax.runtime.keys import MAX_VOCAB
-from shardmax.runtime.shard import ShardContext
+from shardmax.runtime.shard import ShardContext, canonical_device
 from shardmax.runtime.validation import (
     SUPPORTED_DTYPES,
     check_device_type,
@@ -97,7 +97,7 @@ class VocabShard:
             )
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype: {dtype} not supported; expected bf16, fp16 or fp32")
-        dev = torch.device(device)
+        dev = canonical_device(device)
         check_device_type("device", dev)
         if geometry is None:
             geometry = exchange_geometry(coll, width, dtype, vocab_start, num_valid, dev)

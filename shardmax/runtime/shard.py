@@ -19,6 +19,15 @@ from shardmax.runtime.geometry import Geometry
 from shardmax.runtime.validation import SUPPORTED_DTYPES
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:<current device>`` (a tensor's ``.device`` always has its index, and
+    ``torch.device("cuda") != torch.device("cuda:0")``); other devices unchanged."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 class Workspace:
     """Named device buffers that grow to the largest request and are shared by every plan of a
     :class:`ShardContext`. ``generation`` changes whenever a buffer is reallocated, so a plan
@@ -61,6 +70,7 @@ class ShardContext:
     workspace: Workspace = field(repr=False, default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        self.device = canonical_device(self.device)
         if self.workspace is None:
             self.workspace = Workspace(self.device)
         self._zeros = torch.zeros(0, dtype=torch.int32, device=self.device)
