@@ -437,6 +437,7 @@ def merge_candidates(
         batch.min_p if batch.min_p is not None else merged,
         rows,
         rows if rows_in_step is None else rows_in_step,
+        batch.num_slots,
         vocab,
         tp,
         splits,
@@ -607,6 +608,8 @@ class SampledVerifyPlan:
             )
             self.n_words += self.strict.extras_words
         self.finish_variant = finish_variant("sampled", ctx.tp * s, "allgather")
+        self._views: dict[str, torch.Tensor] = {}
+        self._gen = -1
         self._reserve()
 
     def _reserve(self) -> None:
@@ -625,16 +628,27 @@ class SampledVerifyPlan:
             ws.reserve("sampled.keep", 4 * rows)
             ws.reserve("sampled.unsafe", rows)
 
+    def _view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A workspace view, cached until the workspace grows (a view costs host time)."""
+        ws = self.ctx.workspace
+        if self._gen != ws.generation:
+            self._views.clear()
+            self._gen = ws.generation
+        v = self._views.get(name)
+        if v is None:
+            v = self._views[name] = ws.view(name, shape, dtype)
+        return v
+
     def row_params(self, batch: StepBatch) -> RowParams:
         """The ``row_params`` launch into the workspace."""
-        ws, rows = self.ctx.workspace, self.num_logits
+        rows = self.num_logits
         return row_params(
             batch,
             (
-                ws.view("row.temp", (rows,), torch.float32),
-                ws.view("row.seed", (rows,), torch.int64),
-                ws.view("row.draft", (rows,), torch.int64),
-                ws.view("row.slot", (rows,), torch.int64),
+                self._view("row.temp", (rows,), torch.float32),
+                self._view("row.seed", (rows,), torch.int64),
+                self._view("row.draft", (rows,), torch.int64),
+                self._view("row.slot", (rows,), torch.int64),
             ),
         )
 
@@ -661,14 +675,15 @@ class SampledVerifyPlan:
         next run of a plan of this shard."""
         ctx = self.ctx
         logits = ctx.check_logits(local_logits, self.num_logits, self.row_stride)
-        self._check_batch(batch)
-        params = params if params is not None else self.row_params(batch)
-        ws, rows = ctx.workspace, self.num_logits
-        buf = ws.view("sampled.send", (self.n_words,), torch.int64)
+        if params is None:  # run() checked the batch and made the row parameters already
+            self._check_batch(batch)
+            params = self.row_params(batch)
+        rows = self.num_logits
+        buf = self._view("sampled.send", (self.n_words,), torch.int64)
         scratch = None
         if self.with_candidates:
             cap = candidate_capacity(self.launch.candidates)
-            scratch = ws.view("sampled.scratch", (self.launch.splits * rows, cap), torch.int64)
+            scratch = self._view("sampled.scratch", (self.launch.splits * rows, cap), torch.int64)
         sampled_records(
             logits, ctx.vocab_start, ctx.num_valid, params, self.launch, self.use_fp64_gumbel,
             self.with_candidates, buf, scratch,
@@ -678,7 +693,10 @@ class SampledVerifyPlan:
             self.strict.rank_extras(
                 ctx.rank, logits, params.temperature, ctx.tp, buf[self.n_words - extra :]
             )
-        return buf.view(1, -1)
+        sent = self._views.get("sampled.send[1, n]")
+        if sent is None:
+            sent = self._views["sampled.send[1, n]"] = buf.view(1, -1)
+        return sent
 
     def exchange(self, sent: torch.Tensor) -> torch.Tensor:
         return self.ctx.coll.all_gather_dim0(sent)
@@ -687,18 +705,19 @@ class SampledVerifyPlan:
         self, gathered: torch.Tensor, batch: StepBatch, params: RowParams | None = None
     ) -> VerifyResult:
         """Every rank, on the same ``[tp, n]`` bytes: the :class:`VerifyResult`."""
-        self._check_batch(batch)
-        if batch.num_reqs == 0:
-            return empty_result(0, batch.num_speculative_steps, gathered.device)
-        params = params if params is not None else self.row_params(batch)
-        ws, rows, c = self.ctx.workspace, self.num_logits, self.launch.candidates
+        if params is None:  # run() checked the batch and made the row parameters already
+            self._check_batch(batch)
+            if batch.num_reqs == 0:
+                return empty_result(0, batch.num_speculative_steps, gathered.device)
+            params = self.row_params(batch)
+        rows, c = self.num_logits, self.launch.candidates
         gathered = gathered.contiguous()
         cand = keep = unsafe = None
         top_k = batch.top_k
         if self.with_candidates:
-            cand = ws.view("sampled.merged", (rows, c), torch.int64)
-            keep_buf = ws.view("sampled.keep", (rows,), torch.int32)
-            unsafe_buf = ws.view("sampled.unsafe", (rows,), torch.int8)
+            cand = self._view("sampled.merged", (rows, c), torch.int64)
+            keep_buf = self._view("sampled.keep", (rows,), torch.int32)
+            unsafe_buf = self._view("sampled.unsafe", (rows,), torch.int8)
             merge_candidates(
                 gathered, self.launch.splits, rows, self.words, params.slot, batch,
                 (cand, keep_buf, unsafe_buf), vocab=self.vocab, candidates=c,

@@ -390,6 +390,7 @@ def replay_kept(
         top_k if top_k is not None else dummy,
         keep if keep is not None else dummy,
         scratch.stride(0),
+        max(1, top_k.shape[0]) if top_k is not None else 1,
         nb,
         vocab,
         BLOCK=VOCAB_BLOCK,

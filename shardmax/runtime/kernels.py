@@ -79,17 +79,6 @@ def _knobs() -> Any:
         return None
 
 
-def _arg_key(v: Any, specialize: bool) -> Any:
-    if isinstance(v, torch.Tensor):
-        return (v.dtype, v.data_ptr() % 16 == 0)
-    if isinstance(v, bool) or v is None:
-        return v
-    if isinstance(v, int):
-        wide = not -(2**31) <= v < 2**31
-        return (wide, v == 1, v % 16 == 0) if specialize else (wide,)
-    return type(v)
-
-
 class Kernel:
     """One generated variant's jitted function with a cheap repeated launch (module docstring).
 
@@ -105,18 +94,22 @@ class Kernel:
         self._names: Sequence[str] = tuple(getattr(self.fn, "arg_names", ()))
         self._dns = tuple(bool(getattr(p, "do_not_specialize", False)) for p in params or ())
         self._compiled: dict[Any, Any] = {}
-        self._direct = _DIRECT and not INTERPRET and len(self._dns) == len(self._names) > 0
+        self._knobs = _knobs()
+        self._direct = (
+            _DIRECT
+            and not INTERPRET
+            and self._knobs is not None
+            and len(self._dns) == len(self._names) > 0
+        )
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r})"
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        if not self._direct or not args or not isinstance(args[0], torch.Tensor):
-            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                self.fn[grid](*args, **kwargs)
-            return
-        if args[0].device.type != "cuda":
-            check_device(args[0])
+        first = args[0] if args else None
+        if not self._direct or type(first) is not torch.Tensor or not first.is_cuda:
+            if isinstance(first, torch.Tensor) and first.device.type == "cpu":
+                check_device(first)
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 self.fn[grid](*args, **kwargs)
             return
@@ -126,18 +119,37 @@ class Kernel:
             if name not in kwargs:  # a default value: bound by Triton, not part of our key
                 return self._slow(grid, args, kwargs, None)
             values.append(kwargs[name])
-        key = (
-            tuple(_arg_key(v, not d) for v, d in zip(values, self._dns, strict=True)),
-            tuple(values[i] for i in range(n, len(values))),
-            kwargs.get("num_warps"),
-            kwargs.get("num_stages"),
-            torch.cuda.current_device(),
-        )
-        compiled = self._compiled.get(key)
+        key: list[Any] = []
+        add = key.append
+        for v, dns in zip(values, self._dns, strict=True):
+            t = type(v)
+            if t is torch.Tensor:
+                add(v.dtype)
+                add(v.data_ptr() & 15 == 0)
+            elif t is int:
+                add(not -2147483648 <= v < 2147483648)
+                if not dns:
+                    add(v == 1)
+                    add(v & 15 == 0)
+            elif t is bool or v is None or t is float:
+                add(v)
+            elif t is torch.Tensor or isinstance(v, torch.Tensor):  # a subclass
+                add((t, v.dtype, v.data_ptr() & 15 == 0))
+            else:  # constexpr objects, dtypes, ...: keyed by their value
+                try:
+                    hash(v)
+                except TypeError:
+                    return self._slow(grid, args, kwargs, None)
+                add((t, v))
+        device = torch._C._cuda_getDevice()
+        add(kwargs.get("num_warps"))
+        add(kwargs.get("num_stages"))
+        add(device)
+        compiled = self._compiled.get(tuple(key))
         if compiled is None:
-            return self._slow(grid, args, kwargs, key)
-        knobs = _knobs()
-        stream = torch.cuda.current_stream().cuda_stream
+            return self._slow(grid, args, kwargs, tuple(key))
+        knobs = self._knobs
+        stream = torch._C._cuda_getCurrentRawStream(device)
         g = (*tuple(grid), 1, 1)[:3]
         enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
         try:
@@ -159,7 +171,7 @@ class Kernel:
 
     def _slow(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: Any, key: Any) -> None:
         compiled = self.fn[grid](*args, **kwargs)
-        if key is not None and _knobs() is not None and hasattr(compiled, "packed_metadata"):
+        if key is not None and hasattr(compiled, "packed_metadata"):
             self._compiled[key] = compiled
 
 
