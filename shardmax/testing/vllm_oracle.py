@@ -30,7 +30,7 @@ import inspect
 import os
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,9 +42,11 @@ from shardmax.testing.shards import default_pad_to, shard_like_vllm
 __all__ = [
     "VllmKernels",
     "discover",
+    "import_tree",
     "installed_kernels",
     "kernel_trees",
     "load_tree",
+    "tree_version",
     "vllm_logits",
     "vllm_rejection_sample",
 ]
@@ -210,32 +212,49 @@ def _take_vllm_modules() -> dict[str, types.ModuleType]:
     return taken
 
 
-@functools.cache
-def load_tree(tree: str) -> VllmKernels:
-    """The kernels of one tree ``<tree>/vllm/...`` (``scripts/vllm_kernels.sh``), imported in
-    isolation: the ``vllm`` modules already loaded (an installed vLLM, another tree) are set
-    aside while it loads and restored after, so every version's modules keep their own globals.
+def tree_version(tree: str | os.PathLike[str]) -> str:
+    """The vLLM version of a kernel tree: its ``VLLM_VERSION`` file, else the folder's name."""
+    root = Path(tree)
+    version_file = root / "VLLM_VERSION"
+    return version_file.read_text().strip() if version_file.is_file() else root.name
+
+
+def import_tree(tree: str | os.PathLike[str], names: Sequence[str]) -> dict[str, types.ModuleType]:
+    """Import the modules ``names`` (``vllm.…``) of one tree ``<tree>/vllm/...`` in isolation: the
+    ``vllm`` modules already loaded (an installed vLLM, another tree) are set aside while it loads
+    and restored after, so every call's modules keep their own globals (two calls on the same
+    tree give two independent copies).
 
     Raises:
-        ImportError: the tree does not import (named).
+        ImportError: a module does not import, or resolves outside ``tree`` (named).
     """
     root = Path(tree).resolve()
-    version_file = root / "VLLM_VERSION"
-    version = version_file.read_text().strip() if version_file.is_file() else root.name
     saved = _take_vllm_modules()
     sys.path.insert(0, str(root))
     try:
         importlib.invalidate_caches()
-        gumbel = importlib.import_module(_GUMBEL)
-        rejection = importlib.import_module(_RSU)
-        for m in (gumbel, rejection):
+        mods = {n: importlib.import_module(n) for n in names}
+        for m in mods.values():
             if not str(m.__file__).startswith(str(root)):
                 raise ImportError(f"{m.__name__} came from {m.__file__}, not from {root}")
     finally:
         sys.path.remove(str(root))
         _take_vllm_modules()
         sys.modules.update(saved)
-    return VllmKernels(version, str(root), gumbel, rejection)
+    return mods
+
+
+@functools.cache
+def load_tree(tree: str) -> VllmKernels:
+    """The kernels of one tree ``<tree>/vllm/...`` (``scripts/vllm_kernels.sh``), imported in
+    isolation (:func:`import_tree`), so every version's modules keep their own globals.
+
+    Raises:
+        ImportError: the tree does not import (named).
+    """
+    root = Path(tree).resolve()
+    mods = import_tree(root, (_GUMBEL, _RSU))
+    return VllmKernels(tree_version(root), str(root), mods[_GUMBEL], mods[_RSU])
 
 
 def _installed_version() -> str | None:
