@@ -86,8 +86,9 @@ def _forward_graph(target_us: float) -> tuple[torch.cuda.CUDAGraph, float]:
     return g, start.elapsed_time(end) * 1000
 
 
-def _shardmax_step(traffic: Any, mix: str, read_flags: bool) -> Callable[[], Any]:
-    """The plug-in's verification call on one rank (TP 1: the shard is the whole vocabulary)."""
+def _shardmax_step(traffic: Any, mix: str, read_flags: bool, prefill: Any) -> Callable[[], Any]:
+    """The plug-in's verification call on one rank (TP 1: the shard is the whole vocabulary):
+    the step's host checks, the shard's cached plan, ``plan.run``; returns the result."""
     from shardmax.plan import VocabShard
     from shardmax.runtime.validation import check_step_batch
 
@@ -97,41 +98,43 @@ def _shardmax_step(traffic: Any, mix: str, read_flags: bool) -> Callable[[], Any
                        device=logits.device)  # fmt: skip
     t = traffic
     sampled = mix != "greedy"
+    seq_lens, prefill_len = prefill
 
     def step() -> Any:
         batch = check_step_batch(
             rows, logits.device, t.draft_sampled, t.cu_num_logits, t.pos, t.idx_mapping,
-            t.expanded_local_pos, t.seed, t.num_speculative_steps, None, None, None,
+            t.expanded_local_pos, t.seed, t.num_speculative_steps, None, seq_lens, prefill_len,
             temperature=t.temperature if sampled else None, top_p=t.top_p,
         )  # fmt: skip
         if not sampled:
-            return shard.greedy_verify(rows).run(logits, batch)[1]
+            return shard.greedy_verify(rows).run(logits, batch)
         res = shard.verify(rows, with_candidates=t.top_p is not None).run(logits, batch)
-        if read_flags and bool(res.fallback.any()):  # the plug-in would re-run natively
-            pass
-        return res.num_sampled
+        if read_flags:
+            bool(res.fallback.any())  # the plug-in's read: a flagged step re-runs natively
+        return res
 
     return step
 
 
-def _vllm_step(traffic: Any, mix: str, chain: Any) -> Callable[[], Any]:
-    t = traffic
-    expanded_idx = torch.repeat_interleave(t.idx_mapping, torch.diff(t.cu_num_logits.long())).to(
-        torch.int32
-    )
-    temp_np = t.temperature.cpu().numpy()
-    top_p_np = t.top_p.cpu().numpy() if t.top_p is not None else None
+def _vllm_step(traffic: Any, chain: Any, kw: dict[str, Any]) -> Callable[[], Any]:
+    """vLLM's own chain on the full logits, as ``RejectionSampler.__call__`` runs it."""
 
     def step() -> Any:
-        out = chain.run_step(
-            t.logits, t.draft_sampled, t.cu_num_logits, t.pos, t.idx_mapping, expanded_idx,
-            t.expanded_local_pos, t.temperature, t.seed, t.num_speculative_steps,
-            temperature_np=temp_np, top_p_np=top_p_np, top_p_gpu=t.top_p,
-            idx_mapping_np=t.idx_mapping.cpu().numpy(),
-        )  # fmt: skip
-        return out[1]
+        return chain.verify(traffic.logits, **kw, checks=False)
 
     return step
+
+
+def _mismatches(ours: Any, theirs: Any) -> tuple[int, int]:
+    """(requests whose tokens or counts differ among those shardmax did not flag, flagged)."""
+    flagged = getattr(ours, "fallback", None)
+    keep = torch.ones_like(ours[1], dtype=torch.bool) if flagged is None else ~flagged
+    n_ours, n_theirs = ours[1].long(), theirs[1].long()
+    cols = torch.arange(ours[0].shape[1], device=ours[0].device)[None, :]
+    used = cols < n_theirs[:, None]
+    tok = ((ours[0] != theirs[0]) & used).any(dim=1)
+    bad = (tok | (n_ours != n_theirs) | (ours[2].long() != theirs[2].long())) & keep
+    return int(bad.sum()), int((~keep).sum())
 
 
 def _measure(
@@ -152,10 +155,10 @@ def _measure(
         slots_dev.copy_(slots, non_blocking=True)
         events[i][0].record()
         h0 = time.perf_counter()
-        num_sampled = step()
+        out = step()
         h1 = time.perf_counter()
         events[i][1].record()
-        acc += num_sampled.sum()
+        acc += out[1].sum()
         host.append((h1 - h0) * 1e6)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -253,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     chain = None
     note = ""
     try:
-        from shardmax.testing.vllm_chain import NativeChain
+        from shardmax.testing.vllm_chain import NativeChain, verify_inputs
 
-        chain = NativeChain.load(args.vllm_version)
+        chain = {c.version: c for c in NativeChain.discover()}[args.vllm_version]
     except Exception as e:  # no extracted vLLM tree: the vllm path is not measured
         note = f"vllm chain unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
         print(note, file=sys.stderr)
@@ -269,13 +272,19 @@ def main(argv: list[str] | None = None) -> int:
             reqs = max(1, rows // (args.k + 1))
             traffic = realistic_batch(reqs, args.k, args.vocab, seed=rows, mix=mix,
                                       device="cuda")  # fmt: skip
+            kw = verify_inputs(traffic) if chain is not None else None
+            prefill = (kw["seq_lens"], kw["prefill_len"]) if kw is not None else (None, None)
             paths: dict[str, Callable[[], Any]] = {
-                "shardmax": _shardmax_step(traffic, mix, False),
+                "shardmax": _shardmax_step(traffic, mix, False, prefill),
             }
             if mix != "greedy":
-                paths["shardmax+read"] = _shardmax_step(traffic, mix, True)
-            if chain is not None:
-                paths["vllm"] = _vllm_step(traffic, mix, chain)
+                paths["shardmax+read"] = _shardmax_step(traffic, mix, True, prefill)
+            if chain is not None and kw is not None:
+                paths["vllm"] = _vllm_step(traffic, chain, kw)
+            same = ""
+            if "vllm" in paths:
+                bad, flagged = _mismatches(paths["shardmax"](), paths["vllm"]())
+                same = f"{bad} unflagged requests differ from vLLM, {flagged} flagged of {reqs}"
             if args.profile:
                 _profile(paths["shardmax"], f"{mix} rows={reqs * (args.k + 1)}")
             for path, step in paths.items():
@@ -287,12 +296,17 @@ def main(argv: list[str] | None = None) -> int:
                 row["gpu_us_graph"] = _graph_gpu_us(step)
                 row["host_sync"] = _syncs(step)
                 row["fallback_rate"] = ""
+                if path == "shardmax" and same:
+                    row["note"] = same
+                    res = paths["shardmax"]()
+                    if hasattr(res, "fallback"):
+                        row["fallback_rate"] = float(res.fallback.float().mean())
                 results.append(row)
                 print(
                     f"{mix:11} rows={row['rows']:4} {path:14} host {row['host_us_mean']:7.1f} us"
                     f" (p50 {row['host_us_p50']:6.1f})  gpu(loop) {row['gpu_us_loop']:7.1f} us"
                     f"  step {row['step_us']:7.1f} us  {row['tokens_per_s']:9.0f} tok/s"
-                    f"  sync: {row['host_sync']}",
+                    f"  sync: {row['host_sync']}  {row['note']}",
                     flush=True,
                 )
     path = out_dir / "engine.csv"
@@ -313,14 +327,14 @@ def summary(results: list[dict[str, Any]]) -> str:
     by = {(r["mix"], r["rows"], r["path"]): r for r in results}
     for mix in dict.fromkeys(r["mix"] for r in results):
         lines += [f"## {mix}", "", "| rows | path | host us (mean / p50) | GPU us loop / graph | "
-                  "step us | tokens/s | host sync |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "step us | tokens/s | host sync | vs vLLM |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in (r for r in results if r["mix"] == mix):
             g = r["gpu_us_graph"]
             gs = f"{g:.1f}" if isinstance(g, float) else g
             lines.append(
                 f"| {r['rows']} | {r['path']} | {r['host_us_mean']:.1f} / {r['host_us_p50']:.1f} "
                 f"| {r['gpu_us_loop']:.1f} / {gs} | {r['step_us']:.1f} | "
-                f"{r['tokens_per_s']:.0f} | {r['host_sync']} |"
+                f"{r['tokens_per_s']:.0f} | {r['host_sync']} | {r['note']} |"
             )
         lines.append("")
     lines += ["## Targets (issue 19)", ""]
