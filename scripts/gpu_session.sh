@@ -26,11 +26,14 @@
 #   bash scripts/gpu_session.sh K   one H200: every GPU test (sampled calls twice, bit-compared),
 #                                   the fuzz corpus under compute-sanitizer memcheck (value checks
 #                                   off), the engine-faithful loop (benchmarks/engine.py)
+#   bash scripts/gpu_session.sh L   one H200: the capture test, the engine loop against vLLM
+#                                   0.33's native chain, the sampled GPU tests, strict mode and
+#                                   the native chain against vLLM's kernels (0.32, 0.33)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A, B, C, D, E, F, G, H, I, J or K}
+STAGE=${1:?stage A-L}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -213,6 +216,27 @@ K)
   timeout "$(left ${ENGINE_END:-540})" python3 -m benchmarks.engine --steps 100 ${ENGINE_ARGS:-} \
     --out "$OUT/engine" >"$OUT/engine_K.log" 2>&1
   echo "  rc=$?"; grep -vE "^ +[0-9]+ +[0-9.]+" "$OUT/engine_K.log" | tail -60
+  ;;
+L)
+  # runtime v2, second H200 run: the capture test, the engine-faithful loop against vLLM 0.33's
+  # native chain, the sampled GPU tests (twice each, bit-compared), strict mode and the native
+  # chain against vLLM's kernels of every carried version
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "capture after warm-up"
+  timeout "$(left 60)" python3 -m pytest -x -q -p no:cacheprovider -W default --tb=short \
+    tests/test_gpu.py::test_capture_after_warmup_never_compiles 2>&1 | tail -25
+  stamp "engine-faithful loop"
+  timeout "$(left 300)" python3 -m benchmarks.engine --steps 100 ${ENGINE_ARGS:-} \
+    --out "$OUT/engine" >"$OUT/engine_L.log" 2>&1
+  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) " "$OUT/engine_L.log"
+  stamp "sampled GPU tests"
+  timeout "$(left 430)" python3 -m pytest -q -p no:cacheprovider -m gpu -W default -rf \
+    --tb=short -k "sampled or candidate or strict" tests/test_gpu.py >"$OUT/tests_L.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/tests_L.log" | tail -12
+  stamp "strict mode and the native chain vs vLLM's kernels (0.32, 0.33)"
+  timeout "$(left 565)" python3 -m pytest -q -p no:cacheprovider -m gpu -W default -rf \
+    --tb=short tests/test_strict_vllm.py tests/test_vllm_chain.py >"$OUT/vllm_L.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/vllm_L.log" | tail -12
   ;;
 *)
   echo "unknown stage $STAGE" >&2
