@@ -79,6 +79,34 @@ def _knobs() -> Any:
         return None
 
 
+def launch_key(
+    values: Sequence[Any], dns: Sequence[bool], const: Sequence[bool]
+) -> tuple[Any, ...] | None:
+    """The specialisation key of one launch's arguments (in signature order), at least as fine
+    as Triton's own: a constexpr by its value; a tensor by dtype and 16-byte alignment; an int by
+    32-bit range and -- unless ``do_not_specialize`` -- ``== 1`` and ``% 16 == 0``; bools, None
+    and floats by value; anything else hashable by (type, value). None: an unhashable argument
+    (the launch then goes through Triton)."""
+    key: list[Any] = []
+    add = key.append
+    for v, d, c in zip(values, dns, const, strict=True):
+        t = type(v)
+        if c:
+            add((t, v))
+        elif t is torch.Tensor or isinstance(v, torch.Tensor):
+            add((t, v.dtype, v.data_ptr() & 15 == 0))
+        elif t is int:
+            add((not -2147483648 <= v < 2147483648,) if d else (
+                not -2147483648 <= v < 2147483648, v == 1, v & 15 == 0))  # fmt: skip
+        else:
+            try:
+                hash(v)
+            except TypeError:
+                return None
+            add((t, v))
+    return tuple(key)
+
+
 class Kernel:
     """One generated variant's jitted function with a cheap repeated launch (module docstring).
 
@@ -93,13 +121,17 @@ class Kernel:
         params = getattr(self.fn, "params", None)
         self._names: Sequence[str] = tuple(getattr(self.fn, "arg_names", ()))
         self._dns = tuple(bool(getattr(p, "do_not_specialize", False)) for p in params or ())
+        # constexpr parameters: their VALUE selects the binary (CAND=32 and CAND=64 are two
+        # kernels), so the key holds it whole, not only its specialisation facts
+        self._const = tuple(bool(getattr(p, "is_constexpr", False)) for p in params or ())
         self._compiled: dict[Any, Any] = {}
         self._knobs = _knobs()
         self._direct = (
             _DIRECT
             and not INTERPRET
             and self._knobs is not None
-            and len(self._dns) == len(self._names) > 0
+            and len(self._dns) == len(self._names) == len(self._const) > 0
+            and any(self._const)
         )
 
     def __repr__(self) -> str:
@@ -119,35 +151,14 @@ class Kernel:
             if name not in kwargs:  # a default value: bound by Triton, not part of our key
                 return self._slow(grid, args, kwargs, None)
             values.append(kwargs[name])
-        key: list[Any] = []
-        add = key.append
-        for v, dns in zip(values, self._dns, strict=True):
-            t = type(v)
-            if t is torch.Tensor:
-                add(v.dtype)
-                add(v.data_ptr() & 15 == 0)
-            elif t is int:
-                add(not -2147483648 <= v < 2147483648)
-                if not dns:
-                    add(v == 1)
-                    add(v & 15 == 0)
-            elif t is bool or v is None or t is float:
-                add(v)
-            elif t is torch.Tensor or isinstance(v, torch.Tensor):  # a subclass
-                add((t, v.dtype, v.data_ptr() & 15 == 0))
-            else:  # constexpr objects, dtypes, ...: keyed by their value
-                try:
-                    hash(v)
-                except TypeError:
-                    return self._slow(grid, args, kwargs, None)
-                add((t, v))
+        key = launch_key(values, self._dns, self._const)
+        if key is None:
+            return self._slow(grid, args, kwargs, None)
         device = torch._C._cuda_getDevice()
-        add(kwargs.get("num_warps"))
-        add(kwargs.get("num_stages"))
-        add(device)
-        compiled = self._compiled.get(tuple(key))
+        key = (key, kwargs.get("num_warps"), kwargs.get("num_stages"), device)
+        compiled = self._compiled.get(key)
         if compiled is None:
-            return self._slow(grid, args, kwargs, tuple(key))
+            return self._slow(grid, args, kwargs, key)
         knobs = self._knobs
         stream = torch._C._cuda_getCurrentRawStream(device)
         g = (*tuple(grid), 1, 1)[:3]

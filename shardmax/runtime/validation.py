@@ -209,7 +209,9 @@ def check_step_batch(
     ``device``; returns the normalised :class:`StepBatch`. Sampling tensors (``temperature``,
     ``top_k``, ``top_p``, ``min_p``) are per request-state slot, like ``seed``."""
     k = check_int("num_speculative_steps", num_speculative_steps, 1)
-    dev = device
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # a tensor's device always has its index
+        dev = torch.device("cuda", torch.cuda.current_device())
     draft = check_index_tensor("draft_sampled", draft_sampled, dev)
     if draft.shape[0] != num_logits:
         raise ValueError(
