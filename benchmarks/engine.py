@@ -241,11 +241,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-version", default="0.33.0")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="CSV",
+        help="only draw engine.png next to an engine.csv of an earlier run",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="print where the host time of shardmax's call goes (cProfile, 300 calls)",
     )
     args = ap.parse_args(argv)
+    if args.plot is not None:
+        plot(args.plot, args.plot.with_suffix(".png"))
+        print(f"wrote {args.plot.with_suffix('.png')}")
+        return 0
     if not torch.cuda.is_available():
         print("benchmarks.engine: needs a GPU (it times CUDA graphs and eager GPU calls)",
               file=sys.stderr)  # fmt: skip
@@ -316,9 +327,42 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
     print(f"wrote {path}")
+    plot(path, path.with_suffix(".png"))
     print(summary(results))
     (out_dir / "ENGINE.md").write_text(summary(results) + "\n")
     return 0
+
+
+def plot(csv_path: Path, png_path: Path) -> None:
+    """Host us per call and tokens/s of the loop, per traffic mix, against rows (one PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with csv_path.open() as f:
+        rows = list(csv.DictReader(f))
+    mixes = list(dict.fromkeys(r["mix"] for r in rows))
+    fig, axes = plt.subplots(2, len(mixes), figsize=(5 * len(mixes), 7), squeeze=False)
+    for j, mix in enumerate(mixes):
+        for path in dict.fromkeys(r["path"] for r in rows if r["mix"] == mix):
+            sel = [r for r in rows if r["mix"] == mix and r["path"] == path]
+            x = [int(r["rows"]) for r in sel]
+            axes[0][j].plot(x, [float(r["host_us_mean"]) for r in sel], marker="o", label=path)
+            axes[1][j].plot(x, [float(r["tokens_per_s"]) for r in sel], marker="o", label=path)
+        axes[0][j].set_title(f"{mix}: host us per verification call")
+        axes[1][j].set_title(f"{mix}: tokens/s of the loop")
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("logits rows (K = 3)")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        axes[0][j].set_yscale("log")
+    fig.suptitle(
+        f"engine-faithful loop, V={rows[0]['vocab']}, {rows[0]['dtype']}, TP{rows[0]['tp']}"
+    )
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=90)
 
 
 def summary(results: list[dict[str, Any]]) -> str:
