@@ -38,7 +38,11 @@ implements it.
 
 ``allow_top_k=True`` (with ``allow_temperature``) also admits top-k requests with ``k`` below
 :data:`shardmax.ops.sampled.TOPK_CANDIDATES` (fast mode runs them sharded and flags rows at an
-unresolved top-k boundary); the vLLM plug-in does not pass it yet.
+unresolved top-k boundary).
+
+``allow_nucleus=True`` (with ``allow_temperature``) admits every top-k / top-p / min-p request:
+the caller resolves the requests the sharded step flags from their own gathered rows
+(:mod:`shardmax.ops.resolve`; the vLLM plug-in with vLLM's own kernels), so no value is refused.
 
 ``allow_temperature=True`` is for callers that verify with :func:`shardmax.sharded_verify`
 (temperature-only rows) and re-run vLLM's native verification when any request comes back with
@@ -104,6 +108,7 @@ def can_shard_verify(
     num_draft_tokens: int = 1,
     allow_temperature: bool = False,
     allow_top_k: bool = False,
+    allow_nucleus: bool = False,
     candidates: int | None = None,
 ) -> ShardDecision:
     """Decide whether one verification step may use the sharded greedy path (spec §5).
@@ -133,6 +138,8 @@ def can_shard_verify(
         allow_top_k: with ``allow_temperature``, also accept top-k requests whose ``k`` fits the
             step's candidates (``0 < k < candidates``; a top-k on a greedy request is ignored,
             as vLLM ignores it). Larger ``k`` is refused with a reason.
+        allow_nucleus: with ``allow_temperature``, accept every top-k / top-p / min-p request
+            (the caller resolves flagged requests per request, :mod:`shardmax.ops.resolve`).
         candidates: the step's C, ``shardmax.ops.sampled.record_launch(local_logits, tp).candidates``
             (it depends on the step's shape and the tuned table); None: the built-in default
             :data:`shardmax.ops.sampled.TOPK_CANDIDATES` (64).
@@ -142,7 +149,7 @@ def can_shard_verify(
         (non-greedy request)")``.
 
     Raises:
-        ValueError: ``allow_top_k`` without ``allow_temperature``; ``candidates`` not one of
+        ValueError: ``allow_top_k`` / ``allow_nucleus`` without ``allow_temperature``; ``candidates`` not one of
             :data:`shardmax.runtime.defaults.CANDIDATE_CHOICES`; a NaN in ``top_k`` / ``top_p`` /
             ``min_p`` (named with its index: no value of these means NaN, and vLLM refuses
             them at the API, so a NaN is a caller bug, not a request to fall back on).
@@ -152,6 +159,10 @@ def can_shard_verify(
     """
     if allow_top_k and not allow_temperature:
         raise ValueError("allow_top_k=True needs allow_temperature=True (top-k rows are sampled)")
+    if allow_nucleus and not allow_temperature:
+        raise ValueError(
+            "allow_nucleus=True needs allow_temperature=True (top-k/top-p/min-p rows are sampled)"
+        )
     if candidates is not None:
         from shardmax.ops.sampled import CANDIDATE_CHOICES
 
@@ -176,7 +187,7 @@ def can_shard_verify(
             return _no(f"temperature[{i}]={t} != 0 (non-greedy request)")
         if not (t > 0.0 and math.isfinite(t)):  # NaN, inf, negative
             return _no(f"temperature[{i}]={t} is not a finite value >= 0")
-    if top_k is not None:
+    if top_k is not None and not allow_nucleus:
         from shardmax.ops.sampled import TOPK_CANDIDATES
 
         cap = TOPK_CANDIDATES if candidates is None else candidates
@@ -190,11 +201,11 @@ def can_shard_verify(
                     return _no(
                         f"top_k[{i}]={k} >= {cap} (more than the fast mode's top-k candidates)"
                     )
-    if top_p is not None:
+    if top_p is not None and not allow_nucleus:
         for i, p in enumerate(top_p):
             if p != 1.0:
                 return _no(f"top_p[{i}]={p} != 1 (top-p active)")
-    if min_p is not None:
+    if min_p is not None and not allow_nucleus:
         for i, m in enumerate(min_p):
             if m != 0.0:
                 return _no(f"min_p[{i}]={m} != 0 (min-p active)")

@@ -84,6 +84,7 @@ __all__ = [
     "Launch",
     "NativeChain",
     "chain_trees",
+    "installed_chain",
     "load_chain",
     "max_chunk_logits",
     "request_chunks",
@@ -184,6 +185,30 @@ def load_chain(tree: str | os.PathLike[str]) -> ChainModules:
             got = ChainModules(tree_version(root), root, **{k: mods[m] for k, m in MODULES.items()})
             _LOADED[root] = got
     return got
+
+
+def installed_chain() -> NativeChain:
+    """The chain of the importable vLLM (``vllm.…`` as installed, vLLM's own module objects: the
+    ones its engine runs), built once per process; the vLLM plug-in's per-request resolver.
+
+    Raises:
+        ImportError: no vLLM, or one of :data:`MODULES` does not import (named).
+        RuntimeError: the modules lack a name the chain calls (a vLLM version it does not know).
+    """
+    import importlib
+
+    with _LOAD_LOCK:
+        got = _INSTALLED.get("chain")
+        if got is None:
+            from shardmax.testing.vllm_oracle import _installed_version
+
+            mods = {k: importlib.import_module(m) for k, m in MODULES.items()}
+            version = _installed_version() or "unknown"
+            got = _INSTALLED["chain"] = NativeChain(ChainModules(version, "installed", **mods))
+    return got
+
+
+_INSTALLED: dict[str, NativeChain] = {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -722,6 +747,162 @@ class NativeChain:
         )
         return ChainOutput(sampled, num_sampled, num_rejected)
 
+    def verify_requests(
+        self,
+        rows_logits: torch.Tensor,
+        requests: np.ndarray,
+        *,
+        draft_sampled: torch.Tensor,
+        cu_num_logits: torch.Tensor,
+        pos: torch.Tensor,
+        idx_mapping: torch.Tensor,
+        expanded_idx_mapping: torch.Tensor,
+        expanded_local_pos: torch.Tensor,
+        temperature_gpu: torch.Tensor,
+        seed_gpu: torch.Tensor,
+        num_speculative_steps: int,
+        idx_mapping_np: np.ndarray,
+        cu_num_logits_np: np.ndarray,
+        temperature_np: np.ndarray,
+        seq_lens: torch.Tensor,
+        prefill_len: torch.Tensor,
+        top_k_gpu: torch.Tensor | None = None,
+        top_k_np: np.ndarray | None = None,
+        top_p_gpu: torch.Tensor | None = None,
+        top_p_np: np.ndarray | None = None,
+        min_p_gpu: torch.Tensor | None = None,
+        min_p_np: np.ndarray | None = None,
+        use_fp64_gumbel: bool = False,
+        synthetic_conditional_rates: torch.Tensor | None = None,
+        rejection_sample_method: str = "standard",
+        checks: bool = True,
+    ) -> ChainOutput:
+        """vLLM's answer for SOME requests of a step, from their logits rows only: exactly what
+        :meth:`verify` on the whole step's logits gives for ``requests`` (per-request resolution:
+        only these rows need to cross the TP ranks).
+
+        Every decision vLLM takes per chunk is taken from the WHOLE chunk the request sits in
+        (``_verify_in_chunks`` on the step's ``cu_num_logits_np``): the fp32 copy or the raw
+        tensor, the temperature / min-p launches, whether top-k / top-p rows are passed, 0.33's
+        ``has_topp_only_rows``, and the top-p pipeline with its split count (the chunk's row
+        count). Everything else vLLM computes is a function of one row (stats, LSE, masks) or one
+        request (acceptance, keyed Gumbel of ``(seed, pos, token)``), so a row verified apart
+        gets the bits it gets inside its step (checked against :meth:`verify` by
+        ``tests/test_resolve.py``, on the H200 over both pipelines).
+
+        Args:
+            rows_logits: ``[m, V]`` the logits rows of ``requests`` in step order (the rows
+                ``cu[r]:cu[r+1]`` of each), in the layout ``compute_logits`` gives them (any
+                row stride, ``stride(-1) == 1``), model dtype.
+            requests: int ``[n]`` step request indices, strictly increasing (host).
+            everything else: the WHOLE step's arguments, as :meth:`verify` takes them.
+
+        Returns:
+            :class:`ChainOutput` of the ``n`` requests: ``sampled [n, K + 1]``, ``num_sampled``,
+            ``num_rejected`` ``[n]`` (after ``get_num_sampled_and_rejected``).
+
+        Raises:
+            ValueError / TypeError: ``requests`` not strictly increasing in ``[0, num_reqs)``,
+                ``rows_logits`` not ``[m, V]`` for them; with ``checks``, :meth:`verify`'s
+                checks of the step's sampling state.
+            NotImplementedError: as :meth:`verify`.
+        """
+        self._refuse_unsupported(
+            None, rejection_sample_method, synthetic_conditional_rates, False, None, None
+        )
+        vocab = self._check_logits(rows_logits)
+        device = rows_logits.device
+        cu_np = np.asarray(cu_num_logits_np, dtype=np.int64)
+        num_reqs = len(cu_np) - 1
+        req = np.asarray(requests)
+        if req.ndim != 1 or req.dtype.kind not in "iu":
+            raise TypeError(f"requests: expected a 1-D integer numpy array, got {req!r}")
+        req = req.astype(np.int64)
+        if req.size and (
+            int(req[0]) < 0 or int(req[-1]) >= num_reqs or bool((np.diff(req) <= 0).any())
+        ):
+            raise ValueError(
+                f"requests: expected strictly increasing indices in [0, {num_reqs}), got "
+                f"{req.tolist()}"
+            )
+        sizes = cu_np[1:] - cu_np[:-1]
+        m = int(sizes[req].sum()) if req.size else 0
+        if rows_logits.shape[0] != m:
+            raise ValueError(
+                f"rows_logits: expected the {m} logits rows of the {req.size} requests, got "
+                f"{list(rows_logits.shape)}"
+            )
+        if checks:
+            state = self._sampling_state(
+                vocab, device, temperature_gpu, temperature_np, top_k_gpu, top_k_np, top_p_gpu,
+                top_p_np, min_p_gpu, min_p_np,
+            )  # fmt: skip
+            slots = self._slots(idx_mapping_np, num_reqs, len(state.temperature_np))
+        else:
+            state = NativeChain._State(
+                temperature_gpu, temperature_np, top_k_gpu, top_k_np, top_p_gpu, top_p_np,
+                min_p_gpu, min_p_np,
+            )  # fmt: skip
+            slots = idx_mapping_np
+        k = num_speculative_steps
+        if req.size == 0:
+            empty = torch.empty((0, k + 1), dtype=torch.int64, device=device)
+            zero = torch.empty((0,), dtype=torch.int32, device=device)
+            return ChainOutput(empty, zero, zero.clone())
+        rs = self.modules.rejection.rejection_sample
+        extra: dict[str, Any] = {"use_fp64": use_fp64_gumbel, "use_block_verification": False}
+        if self.passes_fly:
+            extra.update(fly_window_size=0, **self._fly_defaults)
+        row_of = np.concatenate([np.arange(cu_np[r], cu_np[r + 1]) for r in req])
+        sub_cu_np = np.concatenate([[0], np.cumsum(sizes[req])])
+        self.last_pipelines = []
+        sampled_parts: list[torch.Tensor] = []
+        num_sampled_parts: list[torch.Tensor] = []
+        limit = self.max_chunk_rows or max_chunk_logits(vocab)
+        for start, end in request_chunks(cu_np, limit):
+            sel = np.flatnonzero((req >= start) & (req < end))  # positions in `requests`
+            if sel.size == 0:
+                continue
+            gates = self._gates(
+                np.asarray(slots[start:end]), state, vocab, int(cu_np[end] - cu_np[start])
+            )
+            lo, hi = int(sub_cu_np[sel[0]]), int(sub_cu_np[sel[-1] + 1])
+            rows_t = torch.from_numpy(row_of[lo:hi]).to(device)
+            reqs_t = torch.from_numpy(req[sel]).to(device)
+            eim = expanded_idx_mapping[rows_t]
+            chunk_cu = torch.from_numpy(sub_cu_np[sel[0] : sel[-1] + 2] - lo).to(
+                device=device, dtype=cu_num_logits.dtype
+            )
+            processed = self._process_chunk(rows_logits[lo:hi], eim, slots, state, vocab, gates)
+            sampled_c, num_sampled_c = rs(
+                processed,
+                None,
+                draft_sampled[rows_t],
+                chunk_cu,
+                pos[rows_t],
+                idx_mapping[reqs_t],
+                eim,
+                expanded_local_pos[rows_t],
+                temperature_gpu,
+                seed_gpu,
+                k,
+                synthetic_conditional_rates,
+                **extra,
+            )
+            del processed
+            sampled_parts.append(sampled_c)
+            num_sampled_parts.append(num_sampled_c)
+        if len(sampled_parts) == 1:
+            sampled, num_sampled = sampled_parts[0], num_sampled_parts[0]
+        else:
+            sampled, num_sampled = torch.cat(sampled_parts), torch.cat(num_sampled_parts)
+        req_t = torch.from_numpy(req).to(device)
+        sub_cu = torch.from_numpy(sub_cu_np).to(device=device, dtype=cu_num_logits.dtype)
+        num_sampled, num_rejected = self.modules.input_batch.get_num_sampled_and_rejected(
+            num_sampled, seq_lens[req_t], sub_cu, idx_mapping[req_t], prefill_len
+        )
+        return ChainOutput(sampled, num_sampled, num_rejected)
+
     # ---- internals ------------------------------------------------------------------------
 
     @staticmethod
@@ -840,16 +1021,21 @@ class NativeChain:
             got["min_p"][0], m_np,
         )  # fmt: skip
 
-    def _process_chunk(
-        self,
-        chunk: torch.Tensor,
-        eim: torch.Tensor,
-        slots: np.ndarray,
-        st: NativeChain._State,
-        vocab: int,
-    ) -> torch.Tensor:
-        """``Sampler.apply_sampling_params`` (0.32 / 0.33, identical): the gates read the host
-        arrays at this chunk's slots, as ``SamplingStates`` does."""
+    @dataclass(frozen=True)
+    class _Gates:
+        """``apply_sampling_params``' host decisions for one chunk (read from its slots)."""
+
+        processed: bool  # an fp32 copy is processed (else the raw chunk is verified)
+        scale: bool  # apply_temperature launches (some T not in {0, 1})
+        min_p: bool  # apply_min_p launches
+        do_k: bool  # top-k rows passed to apply_top_k_top_p
+        do_p: bool  # top-p rows passed
+        only_p: bool  # 0.33's has_topp_only_rows
+        rows: int  # logits rows of the chunk (vLLM's top-p pipeline depends on it)
+
+    @staticmethod
+    def _gates(slots: np.ndarray, st: NativeChain._State, vocab: int, rows: int) -> _Gates:
+        """The gates of a chunk whose requests sit in ``slots`` (``SamplingStates`` rules)."""
         t = st.temperature_np[slots]
         top_k = st.top_k_np[slots] if st.top_k_np is not None else None
         top_p = st.top_p_np[slots] if st.top_p_np is not None else None
@@ -862,51 +1048,97 @@ class NativeChain:
             other = other | (top_k != vocab)
         if top_p is not None:
             other = other | (top_p != 1.0)
-        if not bool(np.any((t != 0.0) & other)):
-            self.last_pipelines.append("none")
-            return chunk
-        x = torch.empty_like(chunk, dtype=torch.float32).copy_(chunk)
-        # SamplingStates.apply_temperature: no launch when every T is 0 or 1
-        if not bool(np.all((t == 0.0) | (t == 1.0))):
-            self.modules.gumbel.apply_temperature(x, eim, st.temperature_gpu)
-        # SamplingStates.apply_min_p: no launch when nobody uses min-p
-        if min_p is not None and not bool(np.all(min_p == 0.0)):
-            self.modules.min_p.apply_min_p(x, eim, st.min_p_gpu)
-        # SamplingStates.get_top_k_top_p (0.33 adds has_topp_only_rows)
+        processed = bool(np.any((t != 0.0) & other))
         do_k = top_k is not None and bool(np.any(top_k != vocab))
         do_p = top_p is not None and bool(np.any(top_p != 1.0))
-        k_rows = st.top_k_gpu[eim] if do_k and st.top_k_gpu is not None else None
-        p_rows = st.top_p_gpu[eim] if do_p and st.top_p_gpu is not None else None
         only_p = bool(
             do_p
             and top_p is not None
             and np.any(((top_k >= vocab) if top_k is not None else True) & (top_p < 1.0))
         )
-        self.last_pipelines.append(
-            self.topp_pipeline_for(
-                x.shape[0],
-                top_k_active=do_k,
-                top_p_active=do_p,
-                has_topp_only_rows=only_p,
-                device_type=x.device.type,
-            )
+        return NativeChain._Gates(
+            processed=processed,
+            # SamplingStates.apply_temperature: no launch when every T is 0 or 1
+            scale=not bool(np.all((t == 0.0) | (t == 1.0))),
+            # SamplingStates.apply_min_p: no launch when nobody uses min-p
+            min_p=min_p is not None and not bool(np.all(min_p == 0.0)),
+            do_k=do_k,
+            do_p=do_p,
+            only_p=only_p,
+            rows=rows,
         )
+
+    def _process_chunk(
+        self,
+        chunk: torch.Tensor,
+        eim: torch.Tensor,
+        slots: np.ndarray,
+        st: NativeChain._State,
+        vocab: int,
+        gates: NativeChain._Gates | None = None,
+    ) -> torch.Tensor:
+        """``Sampler.apply_sampling_params`` (0.32 / 0.33, identical): the gates read the host
+        arrays at this chunk's slots, as ``SamplingStates`` does -- or, for some requests of a
+        chunk (:meth:`verify_requests`), the whole chunk's ``gates``."""
+        if gates is None:
+            gates = self._gates(slots, st, vocab, chunk.shape[0])
+        if not gates.processed:
+            self.last_pipelines.append("none")
+            return chunk
+        x = torch.empty_like(chunk, dtype=torch.float32).copy_(chunk)
+        if gates.scale:
+            self.modules.gumbel.apply_temperature(x, eim, st.temperature_gpu)
+        if gates.min_p:
+            self.modules.min_p.apply_min_p(x, eim, st.min_p_gpu)
+        # SamplingStates.get_top_k_top_p (0.33 adds has_topp_only_rows)
+        k_rows = st.top_k_gpu[eim] if gates.do_k and st.top_k_gpu is not None else None
+        p_rows = st.top_p_gpu[eim] if gates.do_p and st.top_p_gpu is not None else None
+        pipeline = self.topp_pipeline_for(
+            gates.rows,
+            top_k_active=gates.do_k,
+            top_p_active=gates.do_p,
+            has_topp_only_rows=gates.only_p,
+            device_type=x.device.type,
+        )
+        self.last_pipelines.append(pipeline)
         if k_rows is None and p_rows is None:
             return x
-        return self._top_k_top_p(x, k_rows, p_rows, only_p)
+        return self._top_k_top_p(x, k_rows, p_rows, gates.only_p, gates.rows, pipeline, vocab)
 
     def _top_k_top_p(
-        self, x: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None, only_p: bool
+        self,
+        x: torch.Tensor,
+        k: torch.Tensor | None,
+        p: torch.Tensor | None,
+        only_p: bool,
+        chunk_rows: int,
+        pipeline: Pipeline,
+        vocab: int,
     ) -> torch.Tensor:
-        """``apply_top_k_top_p`` (vLLM's ``HAS_TRITON`` branch) -> ``apply_top_k_top_p_triton``."""
+        """``apply_top_k_top_p`` (vLLM's ``HAS_TRITON`` branch) -> ``apply_top_k_top_p_triton``.
+
+        ``x`` may hold only some rows of a chunk of ``chunk_rows`` rows: each row's mask is a
+        function of the row, of the pipeline and, in the split pipeline, of the slice count
+        ``S(rows, V, #SMs)`` -- so the split pipeline runs on ``x`` padded to ``chunk_rows`` rows
+        (zeros, top-k off, top-p 1: rows no kernel masks), and a chunk vLLM verifies with the
+        monolithic kernel keeps it for fewer rows (split threshold 0 for the call)."""
         mod = self.modules.topk_topp
         kwargs = {"has_topp_only_rows": only_p} if self.passes_has_topp_only_rows else {}
+        rows = x.shape[0]
+        pad = chunk_rows - rows if "split" in pipeline else 0
+        if pad > 0:
+            x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
+            if k is not None:
+                k = torch.cat([k, k.new_full((pad,), vocab)])
+            if p is not None:
+                p = torch.cat([p, p.new_ones((pad,))])
         with contextlib.ExitStack() as stack:
             if self._interpreted:
                 stack.enter_context(_interpreter_loop_tensors())
-            if self.topp_pipeline == "monolithic":
+            if "split" not in pipeline:
                 stack.enter_context(_module_value(mod, "_SPLIT_MAX_BATCH", 0))
-            return mod.apply_top_k_top_p_triton(x, k, p, **kwargs)
+            out = mod.apply_top_k_top_p_triton(x, k, p, **kwargs)
+        return out[:rows] if pad > 0 else out
 
 
 @contextlib.contextmanager

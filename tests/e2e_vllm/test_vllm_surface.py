@@ -416,6 +416,65 @@ def test_native_and_sharded_step_agree(vllm_config, method, temps):
     assert acc > 0 and int(native[2].sum()) > 0  # accepted and rejected drafts both present
 
 
+_NUCLEUS_PARAMS = [  # the models' defaults, a top-k + top-p request, min-p, a greedy one
+    {"temperature": 1.0, "top_p": 0.95},
+    {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
+    {"temperature": 1.0, "min_p": 0.05},
+    {"temperature": 0.0},
+]
+
+
+@pytest.mark.parametrize("rows", ["peaked", "flat"])
+def test_top_p_step_is_sharded_and_resolved_per_request(vllm_config, rows):
+    """Top-k / top-p / min-p requests take the sharded path; the requests it flags (here the flat
+    rows: nuclei wider than the candidates) are resolved from their own rows with this vLLM's own
+    kernels, and the step's outputs == vLLM's own ``sample`` (run with the interpreter's loop
+    variables as the compiler gives them: its top-k/top-p kernel needs them on CPU)."""
+    params = [
+        SamplingParams(seed=2000 + i, max_tokens=16, **kw) for i, kw in enumerate(_NUCLEUS_PARAMS)
+    ]
+    s = Step(vllm_config, params=params, seed=5)
+    if rows == "flat":
+        s.hidden = s.hidden * 0.05  # near-uniform rows: the nucleus holds most of the vocabulary
+    assert not s.decision(allow_temperature=True).ok  # without a resolver: vLLM's path
+    assert smv.step_decision(s.runner, s.batch, None, allow_temperature=True, allow_nucleus=True).ok
+    with _interpreter_loop_tensors_or_null():
+        native = s.native()
+    ours = s.plugin()
+    assert s.native_calls == 1, "the plug-in re-ran the step natively"
+    st = smv.stats()
+    assert st["sharded_sampled_verify"] == 1 and st["native_verify"] == 0, st
+    assert st["sampled_fallback_reruns"] == 0, st
+    if rows == "flat":
+        assert st["resolved_requests"] > 0 and st["resolved_steps"] == 1, st
+    bad = _same(native, ours)
+    print(f"[surface] {VERSION} nucleus {rows}: num_sampled {native[1].tolist()}, resolved "
+          f"{st['resolved_requests']} ({st['resolved_reasons']}); mismatches {bad}")  # fmt: skip
+    assert not bad
+
+
+def test_resolution_off_reruns_flagged_steps(vllm_config, monkeypatch):
+    """``SHARDMAX_VLLM_RESOLVE=0``: top-p steps go to vLLM's path with their reason."""
+    monkeypatch.setenv(step.ENV_RESOLVE, "0")
+    params = [SamplingParams(seed=7, max_tokens=16, **kw) for kw in _NUCLEUS_PARAMS]
+    s = Step(vllm_config, params=params, seed=5)
+    assert step.resolver() is None
+    ctx = _interpreter_loop_tensors_or_null()
+    with ctx:
+        s.plugin()
+    st = smv.stats()
+    assert st["native_verify"] == 1 and st["sharded_sampled_verify"] == 0, st
+    assert any("top_k" in r for r in st["fallbacks"]), st["fallbacks"]
+
+
+def _interpreter_loop_tensors_or_null():
+    from shardmax.testing.vllm_chain import _interpreter_loop_tensors
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return _interpreter_loop_tensors()
+    return contextlib.nullcontext()
+
+
 def test_fly_would_change_the_result_and_falls_back(vllm_config):
     """0.33's FLy defers a high-entropy rejection when the next W drafts are accepted: vLLM's
     native FLy step keeps a greedy draft that plain verification replaces -- the silent wrong

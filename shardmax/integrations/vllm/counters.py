@@ -34,6 +34,7 @@ __all__ = [
     "normalize_reason",
     "note_rank",
     "reset_stats",
+    "resolved",
     "set_disabled",
     "set_installed",
     "set_warmup",
@@ -54,6 +55,9 @@ COUNTER_KEYS = (
     "sharded_sampled_verify",
     "sharded_sampled_verify_strict",
     "sampled_fallback_reruns",
+    "resolved_steps",
+    "resolved_requests",
+    "resolved_rows",
     "native_verify",
     "plain_sample",
 )
@@ -70,6 +74,7 @@ def _zero(d: dict[str, Any]) -> None:
     d.clear()
     d.update({k: 0 for k in COUNTER_KEYS})
     d["fallbacks"] = {}
+    d["resolved_reasons"] = {}
 
 
 def reset_stats() -> None:
@@ -107,7 +112,10 @@ def stats() -> dict[str, Any]:
     temperature > 0 requests served by ``sharded_verify``), of which
     ``sharded_sampled_verify_strict`` ran ``mode="strict"``, ``sampled_fallback_reruns``
     (sampled steps where ``sharded_verify`` flagged a request and the whole step was re-run with
-    vLLM's ``sample``), ``native_verify`` (verification steps handed to vLLM by the gate),
+    vLLM's ``sample``), ``resolved_steps`` / ``resolved_requests`` / ``resolved_rows`` (sampled
+    steps where flagged requests were resolved per request from their gathered rows, and how many
+    requests / logits rows; ``resolved_reasons``: ``{FallbackReason name: requests}``),
+    ``native_verify`` (verification steps handed to vLLM by the gate),
     ``plain_sample`` (``sample`` calls without drafts, always vLLM's plain sampler),
     ``fallbacks`` (``{reason: count}`` over both hooks); ``warmup``: the same counters for vLLM's
     warm-up steps (module docstring); ``installed``; ``disabled`` (why ``install()`` left vLLM
@@ -116,8 +124,10 @@ def stats() -> dict[str, Any]:
     with _lock:
         out: dict[str, Any] = dict(_serve)
         out["fallbacks"] = dict(_serve["fallbacks"])
+        out["resolved_reasons"] = dict(_serve["resolved_reasons"])
         warm = dict(_warmup)
         warm["fallbacks"] = dict(_warmup["fallbacks"])
+        warm["resolved_reasons"] = dict(_warmup["resolved_reasons"])
     out["warmup"] = warm
     out["pid"] = os.getpid()
     out["installed"] = _state["installed"]
@@ -136,6 +146,20 @@ def bump(key: str, reason: str | None = None) -> None:
         if reason is not None:
             fb = d["fallbacks"]
             fb[reason] = fb.get(reason, 0) + 1
+    dump_stats()
+
+
+def resolved(requests: int, rows: int, reasons: dict[str, int]) -> None:
+    """Count one step whose flagged requests were resolved per request: ``requests`` requests,
+    ``rows`` logits rows gathered, ``reasons`` the requests per ``FallbackReason`` name."""
+    with _lock:
+        d = _warmup if _state["warmup"] else _serve
+        d["resolved_steps"] += 1
+        d["resolved_requests"] += requests
+        d["resolved_rows"] += rows
+        rr = d["resolved_reasons"]
+        for name, n in reasons.items():
+            rr[name] = rr.get(name, 0) + n
     dump_stats()
 
 

@@ -428,6 +428,7 @@ def step_decision(
     grammar_output: Any,
     *,
     allow_temperature: bool = False,
+    allow_nucleus: bool = False,
     classes: VllmClasses | None = None,
 ) -> Any:
     """``ShardDecision`` for one V2 ``GPUModelRunner.sample`` step (module docstring; spec
@@ -442,6 +443,8 @@ def step_decision(
         allow_temperature: accept temperature > 0 requests (the ``sharded_verify`` path); vLLM's
             own temperature scaling then does not count as logits processing
             (:func:`_other_logits_processing`).
+        allow_nucleus: with ``allow_temperature``, also accept top-k / top-p / min-p requests
+            (the plug-in resolves the requests the sharded step flags with vLLM's own kernels).
         classes: the vLLM to check against; default the installed one (:func:`vllm_classes`).
 
     Returns:
@@ -526,6 +529,7 @@ def step_decision(
         return_sampling_mask=bool(sampler.return_sampling_mask),
         num_draft_tokens=int(input_batch.num_draft_tokens),
         allow_temperature=allow_temperature,
+        allow_nucleus=allow_nucleus and allow_temperature,
     )
 
 

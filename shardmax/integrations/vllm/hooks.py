@@ -229,11 +229,15 @@ def maybe_verify_sharded(
       warm-up), else as serving.
     * All requests greedy and :func:`~shardmax.integrations.vllm.gate.step_decision` allows it:
       :func:`~shardmax.integrations.vllm.step.verify_greedy` (counter ``sharded_verify``).
-    * Some request sampled (temperature > 0) and ``step_decision(allow_temperature=True)``
-      allows it (temperature-only rows): :func:`~shardmax.integrations.vllm.step.verify_sampled`.
-      Exactness rule: if ANY request comes back with ``fallback`` set (NaN / inf rows; in
-      ``fast`` mode also the interval test), the WHOLE step is re-run with ``native`` so the
-      outputs are always vLLM's (counter ``sampled_fallback_reruns``), else counter
+    * Some request sampled (temperature > 0) and ``step_decision(allow_temperature=True,
+      allow_nucleus=<a resolver loads>)`` allows it (temperature, top-k, top-p, min-p rows):
+      :func:`~shardmax.integrations.vllm.step.verify_sampled`. Exactness rule: every request
+      that comes back with ``fallback`` set (NaN / inf rows, a nucleus wider than the candidates,
+      a boundary tie, an LSE at the margin, ...) is resolved from its own gathered rows by vLLM's
+      own kernels with the whole step's per-chunk decisions (counters ``resolved_steps`` /
+      ``resolved_requests`` / ``resolved_rows`` / ``resolved_reasons``); only without a
+      resolver (``SHARDMAX_VLLM_RESOLVE=0``, or vLLM's chain does not load) is the WHOLE step
+      re-run with ``native`` (counter ``sampled_fallback_reruns``). Then counter
       ``sharded_sampled_verify`` (and ``sharded_sampled_verify_strict`` in strict mode). Cost:
       one device->host read of the flags per sampled step (``sample`` runs eagerly in the V2
       runner of 0.32 and 0.33: target verification is not graph-captured).
@@ -255,7 +259,10 @@ def maybe_verify_sharded(
         counters.bump("sharded_verify")
         return out
     if getattr(input_batch, "num_reqs", 0) > 0 and not _all_greedy(runner, input_batch):
-        decision = gate.step_decision(runner, input_batch, grammar_output, allow_temperature=True)
+        nucleus = step.resolver() is not None
+        decision = gate.step_decision(
+            runner, input_batch, grammar_output, allow_temperature=True, allow_nucleus=nucleus
+        )
         if decision.ok:
             res = step.verify_sampled(runner, hidden_states, input_batch)
             if res.output is None:

@@ -29,13 +29,18 @@ import torch
 from shardmax.integrations.vllm import counters
 
 __all__ = [
+    "ENV_RESOLVE",
     "ENV_SAMPLED_MODE",
     "SAMPLED_MODES",
     "SampledResult",
     "apply_head",
+    "chain_inputs",
     "find_lm_head",
+    "has_nucleus",
     "is_warmup_step",
     "local_verify_inputs",
+    "resolution_enabled",
+    "resolver",
     "sampled_mode",
     "sampler_output",
     "shard_geometry",
@@ -154,18 +159,37 @@ def step_batch(
     device: torch.device,
     *,
     sampled: bool,
+    nucleus: bool = False,
 ) -> Any:
-    """The :class:`shardmax.StepBatch` of a step from vLLM's tensors (host checks only)."""
+    """The :class:`shardmax.StepBatch` of a step from vLLM's tensors (host checks only);
+    ``nucleus``: with ``SamplingStates``' per-slot top-k / top-p / min-p (vLLM's values: top-k
+    ``V`` = off, top-p 1, min-p 0)."""
     from shardmax.runtime.validation import check_step_batch
 
     rs = runner.rejection_sampler
     st = rs.sampler.sampling_states
+    extra = {}
+    if nucleus:
+        extra = {"top_k": st.top_k.gpu, "top_p": st.top_p.gpu, "min_p": st.min_p.gpu}
     return check_step_batch(
         num_logits, device, draft_sampled, input_batch.cu_num_logits, pos,
         input_batch.idx_mapping, input_batch.expanded_local_pos, st.seeds.gpu,
         rs.num_speculative_steps, rs.synthetic_conditional_rates, input_batch.seq_lens,
-        prefill_len, temperature=st.temperature.gpu if sampled else None,
+        prefill_len, temperature=st.temperature.gpu if sampled else None, **extra,
     )  # fmt: skip
+
+
+def has_nucleus(runner: Any, input_batch: Any) -> bool:
+    """Whether a request of the step has top-k, top-p or min-p active (host arrays only)."""
+    import numpy as np
+
+    st = runner.rejection_sampler.sampler.sampling_states
+    idx = input_batch.idx_mapping_np
+    return bool(
+        np.any(np.asarray(st.top_k.np[idx]) != int(st.vocab_size))
+        or np.any(np.asarray(st.top_p.np[idx]) != 1.0)
+        or np.any(np.asarray(st.min_p.np[idx]) != 0.0)
+    )
 
 
 def find_lm_head(model: Any) -> Any:
@@ -286,29 +310,111 @@ def sampled_mode() -> str:
     return mode
 
 
+ENV_RESOLVE = "SHARDMAX_VLLM_RESOLVE"
+
+
 @dataclass(frozen=True)
 class SampledResult:
     """Outcome of :func:`verify_sampled`: ``flagged`` names the first ``FallbackReason`` when a
-    request came back with ``fallback`` set (the caller re-runs the whole step natively), else
-    ``output`` is ``(SamplerOutput, num_sampled, num_rejected)``."""
+    request came back flagged and was not resolved (the caller re-runs the whole step natively),
+    else ``output`` is ``(SamplerOutput, num_sampled, num_rejected)``; ``resolved`` counts the
+    requests resolved per request."""
 
     mode: str
     output: tuple[Any, torch.Tensor, torch.Tensor] | None
     flagged: str | None
+    resolved: int = 0
+
+
+def resolution_enabled() -> bool:
+    """Per-request resolution of flagged requests (default on): ``$SHARDMAX_VLLM_RESOLVE=0``
+    turns it off (every flagged step re-runs natively, and top-k / top-p / min-p steps are left
+    to vLLM)."""
+    return os.environ.get(ENV_RESOLVE, "1").strip() not in ("0", "false", "off", "no")
+
+
+def resolver() -> Any:
+    """vLLM's own verification chain of the installed vLLM
+    (:func:`shardmax.testing.vllm_chain.installed_chain`), or None when resolution is off or the
+    chain does not load (then no request is resolved: top-k / top-p / min-p steps stay on vLLM's
+    path and flagged steps re-run natively). A failed load is remembered (and logged once)."""
+    if not resolution_enabled():
+        return None
+    if _RESOLVER_ERROR:
+        return None
+    from shardmax.testing.vllm_chain import installed_chain
+
+    try:
+        return installed_chain()
+    except Exception as e:  # an unknown layout: resolve nothing, say so once
+        _RESOLVER_ERROR.append(repr(e))
+        counters.warn_once("resolver", "shardmax: per-request resolution off (%r)", e)
+        return None
+
+
+_RESOLVER_ERROR: list[str] = []
+
+
+def chain_inputs(
+    runner: Any,
+    input_batch: Any,
+    draft_sampled: torch.Tensor,
+    pos: torch.Tensor,
+    prefill_len: torch.Tensor,
+) -> dict[str, Any]:
+    """The whole step's arguments of :meth:`NativeChain.verify_requests`, read from vLLM's runner
+    and batch exactly as ``RejectionSampler._verify`` passes them (device tensors and the host
+    copies vLLM's gates read)."""
+    rs = runner.rejection_sampler
+    sampler = rs.sampler
+    st = sampler.sampling_states
+    rates = rs.synthetic_conditional_rates
+    return {
+        "draft_sampled": draft_sampled,
+        "cu_num_logits": input_batch.cu_num_logits,
+        "pos": pos,
+        "idx_mapping": input_batch.idx_mapping,
+        "expanded_idx_mapping": input_batch.expanded_idx_mapping,
+        "expanded_local_pos": input_batch.expanded_local_pos,
+        "temperature_gpu": st.temperature.gpu,
+        "seed_gpu": st.seeds.gpu,
+        "num_speculative_steps": int(rs.num_speculative_steps),
+        "idx_mapping_np": input_batch.idx_mapping_np,
+        "cu_num_logits_np": input_batch.cu_num_logits_np,
+        "temperature_np": st.temperature.np,
+        "seq_lens": input_batch.seq_lens,
+        "prefill_len": prefill_len,
+        "top_k_gpu": st.top_k.gpu,
+        "top_k_np": st.top_k.np,
+        "top_p_gpu": st.top_p.gpu,
+        "top_p_np": st.top_p.np,
+        "min_p_gpu": st.min_p.gpu,
+        "min_p_np": st.min_p.np,
+        "use_fp64_gumbel": bool(getattr(sampler, "use_fp64_gumbel", False)),
+        "synthetic_conditional_rates": rates,
+        "rejection_sample_method": "synthetic" if rates is not None else "standard",
+        "checks": False,
+    }
 
 
 def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -> SampledResult:
-    """A step with sampled (temperature-only) requests through the shard's sampled plan.
+    """A step with sampled requests (temperature, and with a resolver top-k / top-p / min-p)
+    through the shard's sampled plan, flagged requests resolved per request.
 
     Arguments as vLLM's ``RejectionSampler._verify`` gives ``rejection_sample`` (0.32 and 0.33):
-    ``sampling_states.temperature.gpu`` / ``.seeds.gpu`` per slot, indexed through
-    ``idx_mapping``; ``use_fp64_gumbel = sampler.use_fp64_gumbel``; the raw local logits (the
-    temperature is applied inside the kernels as vLLM's ``apply_temperature`` does); vLLM's chunk
-    gate read from its host-side ``needs_logits_processing`` (no device sync). One device->host
-    read of the ``fallback`` flags (identical on every rank, so all ranks take the same branch and
-    the native re-run's collectives stay matched)."""
+    ``sampling_states.temperature.gpu`` / ``.seeds.gpu`` (and ``.top_k`` / ``.top_p`` /
+    ``.min_p``) per slot, indexed through ``idx_mapping``; ``use_fp64_gumbel =
+    sampler.use_fp64_gumbel``; the raw local logits (temperature and the top-k / top-p / min-p
+    masks are applied inside the kernels); vLLM's chunk gate read from its host-side
+    ``needs_logits_processing`` (no device sync). One device->host read of the flags (identical
+    on every rank, so all ranks take the same branch and the collectives stay matched). Flagged
+    requests are resolved from their own rows (:mod:`shardmax.ops.resolve`: one all_gather of
+    those rows, then vLLM's own kernels on them with the whole step's per-chunk decisions,
+    :meth:`~shardmax.testing.vllm_chain.NativeChain.verify_requests`); without a resolver the
+    step comes back ``flagged``."""
     import numpy as np
 
+    from shardmax.ops.resolve import apply_resolved, flagged_requests, gather_rows, request_rows
     from shardmax.ops.sampled import FallbackReason, max_chunk_rows
 
     rs = runner.rejection_sampler
@@ -322,17 +428,32 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     if mode == "strict" and rows > max_chunk_rows(int(st.vocab_size)):
         mode = "fast"  # vLLM gates each chunk of its own; one call here covers the whole step
     processed = bool(np.any(sampler.needs_logits_processing[input_batch.idx_mapping_np]))
+    nucleus = has_nucleus(runner, input_batch)
     shard = vocab_shard(find_lm_head(runner.model), local_logits)
     batch = step_batch(runner, input_batch, draft_sampled, pos, prefill_len, rows,
-                       local_logits.device, sampled=True)  # fmt: skip
+                       local_logits.device, sampled=True, nucleus=nucleus)  # fmt: skip
     plan = shard.verify(
         rows, mode=mode, use_fp64_gumbel=bool(getattr(sampler, "use_fp64_gumbel", False)),
-        logits_processed=processed if mode == "strict" else False,
+        with_candidates=nucleus, logits_processed=processed if mode == "strict" else False,
         row_stride=_row_stride(local_logits),
     )  # fmt: skip
     res = plan.run(local_logits, batch)
-    if bool(res.fallback.any()):
-        first = FallbackReason(int(res.reason[res.fallback].view(-1)[0]))
-        return SampledResult(mode, None, first.name)
+    req, codes = flagged_requests(res)
+    resolved = 0
+    if req.size:
+        chain = resolver()
+        if chain is None:
+            return SampledResult(mode, None, FallbackReason(int(codes[0])).name)
+        rows_np = request_rows(input_batch.cu_num_logits_np, req)
+        full = gather_rows(shard.ctx, local_logits, rows_np)
+        inputs = chain_inputs(runner, input_batch, draft_sampled, pos, prefill_len)
+        sub = chain.verify_requests(full, req, **inputs)
+        apply_resolved(res, req, sub.sampled, sub.num_sampled, sub.num_rejected)
+        reasons: dict[str, int] = {}
+        for c in codes.tolist():
+            name = FallbackReason(int(c)).name
+            reasons[name] = reasons.get(name, 0) + 1
+        counters.resolved(int(req.size), int(rows_np.size), reasons)
+        resolved = int(req.size)
     out = sampler_output(res.sampled, res.num_sampled, res.num_rejected)
-    return SampledResult(mode, (out, res.num_sampled, res.num_rejected), None)
+    return SampledResult(mode, (out, res.num_sampled, res.num_rejected), None, resolved)

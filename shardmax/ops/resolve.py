@@ -1,0 +1,142 @@
+"""Per-request resolution: the requests a sampled step flagged, verified from their own rows only.
+
+A sampled plan (:meth:`shardmax.VocabShard.verify`) verifies every request from per-rank records
+and candidates and flags the few it cannot prove (``VerifyResult.fallback``: a nucleus wider than
+the candidates, a tie straddling the top-p boundary, an LSE at the margin, NaN ...). Instead of
+re-running the whole step on the all-gathered logits, the caller resolves only those requests:
+
+1. :func:`flagged_requests` -- which requests and why (one device->host read of the codes, identical on
+   every rank, so every rank takes the same branch);
+2. :func:`request_rows` -- their logits rows (host arithmetic on ``cu_num_logits_np``);
+3. :func:`gather_rows` -- those rows' full-vocabulary logits: one ``all_gather`` of ``m`` rows
+   of the local shard (``m * W`` elements per rank, instead of ``num_logits * W`` for the whole
+   step), laid out as vLLM's ``compute_logits`` lays out the gathered logits (``[m, tp * W]``
+   viewed as ``[m, V]``);
+4. a resolver that applies vLLM's semantics to those rows exactly as inside the whole step (the
+   vLLM plug-in uses :meth:`shardmax.testing.vllm_chain.NativeChain.verify_requests`, vLLM's own
+   kernels with the whole step's per-chunk decisions);
+5. :func:`apply_resolved` -- the answers written into the step's outputs, flags cleared.
+
+Every rank calls 3.-5. with the same ``requests`` (collective), after 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shardmax.ops.sampled import VerifyResult
+from shardmax.runtime.shard import ShardContext
+
+__all__ = ["apply_resolved", "flagged_requests", "gather_rows", "request_rows"]
+
+
+def flagged_requests(result: VerifyResult) -> tuple[np.ndarray, np.ndarray]:
+    """``(requests, reasons)``: int64 ``[n]`` the requests of ``result`` whose ``fallback`` flag
+    is set, increasing, and int8 ``[n]`` their ``FallbackReason`` codes.
+
+    One device->host copy of the ``[num_reqs]`` reason codes (a request is flagged exactly when
+    its code is non-zero): the only host sync of a resolved step.
+    """
+    codes = result.reason.detach().to("cpu").numpy()
+    req = np.flatnonzero(codes).astype(np.int64)
+    return req, codes[req]
+
+
+def request_rows(cu_num_logits_np: np.ndarray, requests: np.ndarray) -> np.ndarray:
+    """int64 ``[m]``: the logits rows ``cu[r] .. cu[r+1] - 1`` of each of ``requests``, in order.
+
+    Raises:
+        ValueError: ``requests`` outside ``[0, num_reqs)`` (named).
+    """
+    cu = np.asarray(cu_num_logits_np, dtype=np.int64)
+    req = np.asarray(requests, dtype=np.int64)
+    if req.size and (int(req.min()) < 0 or int(req.max()) >= len(cu) - 1):
+        raise ValueError(f"requests: indices must lie in [0, {len(cu) - 1}), got {req.tolist()}")
+    if req.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(cu[r], cu[r + 1], dtype=np.int64) for r in req])
+
+
+def gather_rows(ctx: ShardContext, local_logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    """The full-vocabulary logits of some rows, from every rank's shard (collective).
+
+    Args:
+        ctx: the shard (``VocabShard.ctx``): its collective and every rank's geometry.
+        local_logits: this rank's ``[num_logits, W]`` shard (model dtype, ``stride(-1) == 1``).
+        rows: int ``[m]`` rows to gather, the same on every rank (host).
+
+    Returns:
+        ``[m, V]`` in the model dtype, ``V = ctx.geometry.vocab``: column ``v`` holds global id
+        ``v``. When the ranks tile ``[0, V)`` in rank order (vLLM's layout) it is a view of the
+        gathered ``[m, tp * W]`` tensor, exactly the layout (and row stride) of vLLM's
+        ``compute_logits`` output for those rows; otherwise a contiguous tensor, ids no rank
+        holds are ``-inf``.
+
+    Raises:
+        ValueError: ``local_logits`` not ``[num_logits, W]`` of the shard, or a row out of range.
+    """
+    g = ctx.geometry
+    if local_logits.dim() != 2 or local_logits.shape[1] != g.width:
+        raise ValueError(
+            f"local_logits: expected [num_logits, {g.width}] (the shard's width), got "
+            f"{list(local_logits.shape)}"
+        )
+    idx = np.asarray(rows, dtype=np.int64)
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= local_logits.shape[0]):
+        raise ValueError(
+            f"rows: must lie in [0, {local_logits.shape[0]}), got [{int(idx.min())}, "
+            f"{int(idx.max())}]"
+        )
+    m = int(idx.size)
+    mine = local_logits.index_select(0, torch.from_numpy(idx).to(local_logits.device))
+    parts = ctx.coll.all_gather_dim0(mine)  # [tp * m, W], rank-major
+    if g.tiles_from_zero:
+        full = parts.view(g.tp, m, g.width).permute(1, 0, 2).reshape(m, g.tp * g.width)
+        return full[:, : g.vocab]
+    out = torch.full((m, g.vocab), float("-inf"), dtype=local_logits.dtype, device=parts.device)
+    for r, (start, num_valid) in enumerate(g.ranges):
+        out[:, start : start + num_valid] = parts[r * m : (r + 1) * m, :num_valid]
+    return out
+
+
+def apply_resolved(
+    result: VerifyResult,
+    requests: np.ndarray,
+    sampled: torch.Tensor,
+    num_sampled: torch.Tensor,
+    num_rejected: torch.Tensor,
+) -> VerifyResult:
+    """Write the resolved requests' answers into ``result`` (in place) and clear their flags.
+
+    Args:
+        result: the step's outputs (``sampled [num_reqs, K + 1]`` int64, counts int32).
+        requests: int ``[n]`` the resolved requests (host).
+        sampled: ``[n, K + 1]`` their tokens (any integer dtype; columns ``>= num_sampled``
+            become -1, as in every :class:`VerifyResult`).
+        num_sampled, num_rejected: ``[n]`` their counts.
+
+    Returns:
+        ``result`` itself.
+
+    Raises:
+        ValueError: shapes that do not match ``requests`` / ``result``.
+    """
+    n = int(np.asarray(requests).size)
+    k1 = result.sampled.shape[1]
+    if tuple(sampled.shape) != (n, k1) or num_sampled.shape != (n,) or num_rejected.shape != (n,):
+        raise ValueError(
+            f"resolved outputs: expected sampled [{n}, {k1}] and counts [{n}], got "
+            f"{list(sampled.shape)}, {list(num_sampled.shape)}, {list(num_rejected.shape)}"
+        )
+    if n == 0:
+        return result
+    idx = torch.from_numpy(np.asarray(requests, dtype=np.int64)).to(result.sampled.device)
+    cols = torch.arange(k1, device=sampled.device)[None, :]
+    tokens = torch.where(cols < num_sampled.to(torch.int64)[:, None], sampled.to(torch.int64), -1)
+    result.sampled.index_copy_(0, idx, tokens.to(result.sampled.dtype))
+    result.num_sampled.index_copy_(0, idx, num_sampled.to(result.num_sampled.dtype))
+    result.num_rejected.index_copy_(0, idx, num_rejected.to(result.num_rejected.dtype))
+    result.fallback.index_fill_(0, idx, False)
+    result.reason.index_fill_(0, idx, 0)
+    return result

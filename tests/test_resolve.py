@@ -1,0 +1,302 @@
+"""Per-request resolution (:mod:`shardmax.ops.resolve`, issue 18): flagged requests verified from
+their own gathered rows, exactly as vLLM verifies them inside the whole step.
+
+CPU, no vLLM needed: row bookkeeping, the gather's layout (vLLM's ``[m, tp * W]`` view and other
+geometries), writing answers back, bad input.
+
+CPU, vLLM's kernels under the Triton interpreter (marked ``e2e``: ``tests/e2e_vllm/run.sh``, one
+run per extracted vLLM version):
+
+* :meth:`NativeChain.verify_requests` on any subset of a step == :meth:`NativeChain.verify` on
+  the whole step for those requests, with several chunks, mixed temperature / top-p / greedy
+  requests, and the whole chunk's gates (a T = 1 request alone would be verified on the raw
+  tensor; inside a top-p chunk vLLM verifies an fp32 copy -- the subset must too);
+* the whole flow on realistic T = 1 / top-p 0.95 traffic: emulated TP 2 / 4 sharded verification
+  (fast and strict), its flagged requests resolved from their gathered rows: every request of
+  the step == vLLM's chain on the full logits, none left flagged.
+
+GPU (marked ``gpu``): the same on the H200 over both top-p pipelines (split <= 64 rows, the
+monolithic kernel above), V = 151936 / 200064, TP 2 / 4 / 8, every call twice and compared bit
+for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shardmax.ops.resolve import apply_resolved, flagged_requests, gather_rows, request_rows
+from shardmax.ops.sampled import VerifyResult
+from shardmax.runtime.geometry import Geometry
+from shardmax.runtime.shard import ShardContext
+from shardmax.testing.traffic import realistic_batch
+from shardmax.testing.vllm_chain import NativeChain, verify_inputs
+
+CHAINS = NativeChain.discover()
+by_version = pytest.mark.parametrize("chain", CHAINS, ids=[c.id for c in CHAINS])
+
+
+class _FakeGroup:
+    """An in-process TP group seen from one rank: all_gather returns every rank's rows."""
+
+    def __init__(self, shards: list[torch.Tensor], rows: np.ndarray, rank: int) -> None:
+        self.shards, self.rows, self.rank = shards, torch.from_numpy(rows), rank
+        self.world_size = len(shards)
+        self.calls = 0
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        assert torch.equal(t, self.shards[self.rank][self.rows])
+        return torch.cat([s[self.rows] for s in self.shards])
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover - unused
+        raise AssertionError("gather_rows runs one all_gather")
+
+
+def _ctx(ranges, width, shards, rows, rank=1) -> ShardContext:
+    geo = Geometry(tuple(ranges), width, shards[0].dtype)
+    return ShardContext(_FakeGroup(shards, rows, rank), geo, rank, torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------------------------
+# CPU, no vLLM
+# --------------------------------------------------------------------------------------------
+
+
+def test_request_rows() -> None:
+    cu = np.array([0, 4, 5, 9, 12])
+    assert request_rows(cu, np.array([0, 2])).tolist() == [0, 1, 2, 3, 5, 6, 7, 8]
+    assert request_rows(cu, np.array([1, 3])).tolist() == [4, 9, 10, 11]
+    assert request_rows(cu, np.array([], dtype=np.int64)).size == 0
+    with pytest.raises(ValueError, match="requests"):
+        request_rows(cu, np.array([4]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gather_rows_is_vllms_layout(dtype) -> None:
+    """vLLM's layout (rank r holds [r W, r W + W), the last rank padded): a view of the gathered
+    [m, tp W] tensor trimmed to V, with vLLM's row stride; column v is global id v."""
+    tp, width, vocab, num_logits = 3, 8, 21, 6
+    full = torch.randn(num_logits, tp * width).to(dtype)
+    full[:, vocab:] = 99.0  # padding columns: never part of the answer
+    shards = [full[:, r * width : (r + 1) * width].contiguous() for r in range(tp)]
+    ranges = [(r * width, min(width, vocab - r * width)) for r in range(tp)]
+    rows = np.array([5, 0, 3])
+    ctx = _ctx(ranges, width, shards, rows)
+    out = gather_rows(ctx, shards[1], rows)
+    assert out.shape == (3, vocab) and out.stride() == (tp * width, 1) and out.dtype == dtype
+    assert torch.equal(out, full[rows][:, :vocab])
+    assert ctx.coll.calls == 1
+
+
+def test_gather_rows_other_geometries() -> None:
+    """Ranges that do not tile [0, V) in rank order (a gap, reversed ranks): ids land at their
+    global column, ids nobody holds are -inf."""
+    width, num_logits = 4, 3
+    logits = torch.randn(num_logits, 12)
+    ranges = [(8, 4), (0, 3)]  # rank 0 holds 8..11, rank 1 holds 0..2; 3..7 held by nobody
+    shards = [logits[:, 8:12].contiguous(), torch.cat([logits[:, 0:3], torch.zeros(3, 1)], 1)]
+    rows = np.array([2, 1])
+    out = gather_rows(_ctx(ranges, width, shards, rows, rank=0), shards[0], rows)
+    assert out.shape == (2, 12)
+    assert torch.equal(out[:, 8:], logits[rows][:, 8:]) and torch.equal(
+        out[:, :3], logits[rows][:, :3]
+    )
+    assert bool(torch.isneginf(out[:, 3:8]).all())
+
+
+def test_gather_rows_bad_input() -> None:
+    shards = [torch.randn(4, 8)]
+    ctx = _ctx([(0, 8)], 8, shards, np.array([0]), rank=0)
+    with pytest.raises(ValueError, match="local_logits"):
+        gather_rows(ctx, torch.randn(4, 7), np.array([0]))
+    with pytest.raises(ValueError, match="rows"):
+        gather_rows(ctx, shards[0], np.array([4]))
+
+
+def test_apply_resolved_writes_and_clears() -> None:
+    res = VerifyResult(
+        torch.full((4, 3), 7, dtype=torch.int64),
+        torch.full((4,), 3, dtype=torch.int32),
+        torch.zeros(4, dtype=torch.int32),
+        torch.tensor([False, True, False, True]),
+        torch.tensor([0, 2, 0, 4], dtype=torch.int8),
+    )
+    req, why = flagged_requests(res)
+    assert req.tolist() == [1, 3] and why.tolist() == [2, 4]
+    sampled = torch.tensor([[11, 12, 13], [21, 22, 23]], dtype=torch.int32)
+    apply_resolved(res, req, sampled, torch.tensor([1, 2]), torch.tensor([2, 1]))
+    assert res.sampled.tolist() == [[7, 7, 7], [11, -1, -1], [7, 7, 7], [21, 22, -1]]
+    assert res.num_sampled.tolist() == [3, 1, 3, 2] and res.num_rejected.tolist() == [0, 2, 0, 1]
+    assert not bool(res.fallback.any()) and res.reason.tolist() == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="resolved outputs"):
+        apply_resolved(res, req, sampled[:1], torch.tensor([1]), torch.tensor([1]))
+
+
+# --------------------------------------------------------------------------------------------
+# CPU, vLLM's kernels (interpreter)
+# --------------------------------------------------------------------------------------------
+
+
+def _assert_same(got, want, what: str) -> int:
+    """``==`` on the counts and on the tokens < num_sampled; returns the number of tokens."""
+    sampled, num_sampled, num_rejected = (t.cpu() for t in got[:3])
+    w_sampled, w_num, w_rej = (t.cpu() for t in want[:3])
+    assert torch.equal(num_sampled, w_num.to(num_sampled.dtype)), (what, num_sampled, w_num)
+    assert torch.equal(num_rejected, w_rej.to(num_rejected.dtype)), (what, num_rejected, w_rej)
+    cols = torch.arange(sampled.shape[1])[None, :] < num_sampled[:, None]
+    assert torch.equal(sampled[cols], w_sampled.to(sampled.dtype)[cols]), what
+    return int(cols.sum())
+
+
+def _subset(out, req: np.ndarray):
+    idx = torch.from_numpy(req)
+    return tuple(t.cpu()[idx] for t in out[:3])
+
+
+def _mixed_batch(seed: int, num_reqs: int, vocab: int, device="cpu"):
+    """Realistic rows; per request T 0 / 0.8 / 1.0 with top-p 0.95 on some, a T = 1 request
+    without top-p among them (verified on vLLM's fp32 copy because its chunk needs one)."""
+    b = realistic_batch(num_reqs, 3, vocab, seed=seed, mix="top_p", device=device)
+    gen = torch.Generator().manual_seed(seed)
+    slots = b.idx_mapping.long()
+    temp = b.temperature.clone()
+    top_p = b.top_p.clone()
+    kind = torch.randint(0, 4, (num_reqs,), generator=gen)
+    kind[0], kind[1] = 3, 1  # a plain T = 1 request and a top-p one are always present
+    temp[slots] = torch.tensor([0.0, 1.0, 0.8, 1.0])[kind]
+    top_p[slots] = torch.tensor([1.0, 0.95, 0.9, 1.0])[kind]
+    return b, temp, top_p
+
+
+@pytest.mark.e2e
+@by_version
+def test_verify_requests_equals_the_whole_step(chain: NativeChain) -> None:
+    vocab, num_reqs = 1024, 10
+    b, temp, top_p = _mixed_batch(3, num_reqs, vocab)
+    for max_chunk in (None, 13):  # one chunk; several (requests never split)
+        ch = chain.with_options(max_chunk_rows=max_chunk)
+        kw = verify_inputs(b, temperature=temp, top_p=top_p)
+        whole = ch.verify(b.logits, **kw)
+        whole_pipes = list(ch.last_pipelines)
+        assert "monolithic" in whole_pipes  # top-p ran (CPU: vLLM's monolithic kernel)
+        gen = np.random.default_rng(max_chunk or 0)
+        subsets = [np.array([0]), np.array([num_reqs - 1]), np.arange(num_reqs)]
+        subsets += [np.sort(gen.choice(num_reqs, size=s, replace=False)) for s in (2, 4, 7)]
+        for req in subsets:
+            rows = request_rows(kw["cu_num_logits_np"], req)
+            got = ch.verify_requests(b.logits[torch.from_numpy(rows)], req, **kw)
+            _assert_same(got, _subset(whole, req), f"vLLM {chain.version} chunk {max_chunk} {req}")
+            if max_chunk is None:  # the subset's chunk takes the whole chunk's gates
+                assert ch.last_pipelines == whole_pipes, (req, ch.last_pipelines, whole_pipes)
+        # request 0 alone (plain T = 1) would be verified raw; inside its step it is processed
+        alone = verify_inputs(b, temperature=temp, top_p=top_p)
+        ch.verify(b.logits[:4], **{**alone, **_only_first(alone, 4)})
+        assert ch.last_pipelines == ["none"]
+
+
+def _only_first(kw, rows: int):
+    """The step's arguments restricted to request 0 (its own step)."""
+    return {
+        "draft_sampled": kw["draft_sampled"][:rows],
+        "cu_num_logits": kw["cu_num_logits"][:2],
+        "pos": kw["pos"][:rows],
+        "idx_mapping": kw["idx_mapping"][:1],
+        "expanded_idx_mapping": kw["expanded_idx_mapping"][:rows],
+        "expanded_local_pos": kw["expanded_local_pos"][:rows],
+        "idx_mapping_np": kw["idx_mapping_np"][:1],
+        "cu_num_logits_np": kw["cu_num_logits_np"][:2],
+        "seq_lens": kw["seq_lens"][:1],
+    }
+
+
+@pytest.mark.e2e
+@by_version
+def test_verify_requests_bad_input(chain: NativeChain) -> None:
+    b, temp, top_p = _mixed_batch(1, 4, 256)
+    kw = verify_inputs(b, temperature=temp, top_p=top_p)
+    with pytest.raises(ValueError, match="requests"):
+        chain.verify_requests(b.logits[:8], np.array([1, 0]), **kw)
+    with pytest.raises(ValueError, match="requests"):
+        chain.verify_requests(b.logits[:4], np.array([4]), **kw)
+    with pytest.raises(ValueError, match="rows_logits"):
+        chain.verify_requests(b.logits[:5], np.array([0]), **kw)
+    with pytest.raises(TypeError, match="requests"):
+        chain.verify_requests(b.logits[:4], np.array([0.0]), **kw)
+    out = chain.verify_requests(b.logits[:0], np.array([], dtype=np.int64), **kw)
+    assert out.sampled.shape == (0, 4) and out.num_sampled.shape == (0,)
+
+
+def resolve_step(chain, b, kw, tp: int, mode: str, device="cpu"):
+    """Emulated TP sharded verification of a realistic step, flagged requests resolved from their
+    gathered rows (here: the full tensor's rows -- gather_rows' layout is tested above).
+    Returns (result, flagged requests)."""
+    from shardmax.testing.emulate_sampled import emulate_verify
+
+    res = emulate_verify(
+        b.logits, tp, b.draft_sampled, b.cu_num_logits, b.pos, b.idx_mapping,
+        b.expanded_local_pos, b.temperature, b.seed, b.num_speculative_steps,
+        top_p=b.top_p, seq_lens=kw["seq_lens"], prefill_len=kw["prefill_len"], mode=mode,
+    )  # fmt: skip
+    req, _ = flagged_requests(res)
+    rows = torch.from_numpy(request_rows(kw["cu_num_logits_np"], req)).to(b.logits.device)
+    sub = chain.verify_requests(b.logits[rows], req, **kw)
+    apply_resolved(res, req, *sub)
+    return res, req
+
+
+@pytest.mark.e2e
+@by_version
+@pytest.mark.parametrize("tp,mode", [(2, "fast"), (4, "strict")])
+def test_realistic_top_p_step_resolved_equals_vllm(chain: NativeChain, tp: int, mode: str) -> None:
+    flagged = total = 0
+    for seed in (0, 1):
+        b = realistic_batch(8, 3, 1536, seed=seed, mix="top_p")
+        kw = verify_inputs(b)
+        whole = chain.verify(b.logits, **kw)
+        res, req = resolve_step(chain, b, kw, tp, mode)
+        assert not bool(res.fallback.any())
+        _assert_same(res, whole, f"vLLM {chain.version} TP{tp} {mode} seed {seed}")
+        flagged += int(req.size)
+        total += int(b.cu_num_logits.numel() - 1)
+    print(f"[resolve] vLLM {chain.version} TP{tp} {mode}: {flagged}/{total} requests resolved")
+    assert flagged > 0  # realistic top-p traffic: the resolution really ran
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (H200)
+# --------------------------------------------------------------------------------------------
+
+_GPU_CASES = [  # (requests, vocab, tp): 32 and 160 logits rows = split / monolithic pipelines
+    (8, 151936, 2),
+    (8, 200064, 8),
+    (40, 151936, 4),
+    (40, 200064, 2),
+]
+
+
+@pytest.mark.gpu
+@by_version
+@pytest.mark.parametrize("mode", ["fast", "strict"])
+@pytest.mark.parametrize("case", _GPU_CASES, ids=[f"{r}req-V{v}-tp{t}" for r, v, t in _GPU_CASES])
+def test_realistic_top_p_resolved_equals_vllm_on_gpu(chain: NativeChain, case, mode: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    num_reqs, vocab, tp = case
+    flagged = total = 0
+    for seed in range(12):
+        b = realistic_batch(num_reqs, 3, vocab, seed=seed, mix="top_p", device="cuda")
+        kw = verify_inputs(b)
+        whole = chain.verify(b.logits, **kw)
+        expect = "split" if num_reqs * 4 <= 64 else "monolithic"
+        assert chain.last_pipelines == [expect], chain.last_pipelines
+        first, req = resolve_step(chain, b, kw, tp, mode, "cuda")
+        again, req2 = resolve_step(chain, b, kw, tp, mode, "cuda")
+        assert np.array_equal(req, req2)
+        _assert_same(again, first, f"determinism seed {seed}")
+        assert not bool(first.fallback.any())
+        _assert_same(first, whole, f"vLLM {chain.version} {case} {mode} seed {seed}")
+        flagged += int(req.size)
+        total += num_reqs
+    print(f"[resolve gpu] vLLM {chain.version} {case} {mode}: {flagged}/{total} resolved, 0 differ")
