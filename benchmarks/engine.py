@@ -14,8 +14,11 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
      all-gather);
    * ``shardmax``: what the plug-in runs (``shardmax.integrations.vllm.step``): the step's host
      checks (``check_step_batch``), the shard's cached plan, ``plan.run`` -- no host sync;
-   * ``shardmax+read``: the same plus the plug-in's one host read of the fallback flags per
-     sampled step (today's plug-in; a sync);
+   * ``shardmax+resolve``: what the plug-in runs on a sampled step: the same, one host read of
+     the flags (a sync) and the flagged requests resolved per request
+     (:mod:`shardmax.ops.resolve`: their rows gathered, vLLM's own kernels on them with the
+     whole step's decisions, :meth:`~shardmax.testing.vllm_chain.NativeChain.verify_requests`);
+     every request of it is cross-checked against ``vllm``;
 4. the accepted tokens accumulated on the device (read once at the end, as V2 reads its outputs
    asynchronously).
 
@@ -86,9 +89,13 @@ def _forward_graph(target_us: float) -> tuple[torch.cuda.CUDAGraph, float]:
     return g, start.elapsed_time(end) * 1000
 
 
-def _shardmax_step(traffic: Any, mix: str, read_flags: bool, prefill: Any) -> Callable[[], Any]:
+def _shardmax_step(
+    traffic: Any, mix: str, prefill: Any, resolve: tuple[Any, dict[str, Any]] | None = None
+) -> Callable[[], Any]:
     """The plug-in's verification call on one rank (TP 1: the shard is the whole vocabulary):
-    the step's host checks, the shard's cached plan, ``plan.run``; returns the result."""
+    the step's host checks, the shard's cached plan, ``plan.run``; with ``resolve = (chain,
+    verify_inputs)`` also the flagged requests resolved per request. Returns the result."""
+    from shardmax.ops.resolve import apply_resolved, flagged_requests, gather_rows, request_rows
     from shardmax.plan import VocabShard
     from shardmax.runtime.validation import check_step_batch
 
@@ -109,8 +116,14 @@ def _shardmax_step(traffic: Any, mix: str, read_flags: bool, prefill: Any) -> Ca
         if not sampled:
             return shard.greedy_verify(rows).run(logits, batch)
         res = shard.verify(rows, with_candidates=t.top_p is not None).run(logits, batch)
-        if read_flags:
-            bool(res.fallback.any())  # the plug-in's read: a flagged step re-runs natively
+        if resolve is not None:
+            chain, kw = resolve
+            req, _ = flagged_requests(res)  # the plug-in's one host read
+            if req.size:
+                rows_np = request_rows(kw["cu_num_logits_np"], req)
+                full = gather_rows(shard.ctx, logits, rows_np)
+                sub = chain.verify_requests(full, req, **kw, checks=False)
+                apply_resolved(res, req, sub.sampled, sub.num_sampled, sub.num_rejected)
         return res
 
     return step
@@ -286,16 +299,23 @@ def main(argv: list[str] | None = None) -> int:
             kw = verify_inputs(traffic) if chain is not None else None
             prefill = (kw["seq_lens"], kw["prefill_len"]) if kw is not None else (None, None)
             paths: dict[str, Callable[[], Any]] = {
-                "shardmax": _shardmax_step(traffic, mix, False, prefill),
+                "shardmax": _shardmax_step(traffic, mix, prefill),
             }
-            if mix != "greedy":
-                paths["shardmax+read"] = _shardmax_step(traffic, mix, True, prefill)
             if chain is not None and kw is not None:
+                if mix != "greedy":
+                    paths["shardmax+resolve"] = _shardmax_step(traffic, mix, prefill, (chain, kw))
                 paths["vllm"] = _vllm_step(traffic, chain, kw)
-            same = ""
+            same = resolved_note = ""
             if "vllm" in paths:
-                bad, flagged = _mismatches(paths["shardmax"](), paths["vllm"]())
+                theirs = paths["vllm"]()
+                bad, flagged = _mismatches(paths["shardmax"](), theirs)
                 same = f"{bad} unflagged requests differ from vLLM, {flagged} flagged of {reqs}"
+                if "shardmax+resolve" in paths:
+                    bad_r, left = _mismatches(paths["shardmax+resolve"](), theirs)
+                    resolved_note = (
+                        f"{bad_r} of {reqs} requests differ from vLLM after resolving "
+                        f"{flagged} ({left} left flagged)"
+                    )
             if args.profile:
                 _profile(paths["shardmax"], f"{mix} rows={reqs * (args.k + 1)}")
             for path, step in paths.items():
@@ -307,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["gpu_us_graph"] = _graph_gpu_us(step)
                 row["host_sync"] = _syncs(step)
                 row["fallback_rate"] = ""
+                if path == "shardmax+resolve":
+                    row["note"] = resolved_note
                 if path == "shardmax" and same:
                     row["note"] = same
                     res = paths["shardmax"]()

@@ -29,11 +29,16 @@
 #   bash scripts/gpu_session.sh L   one H200: the capture test, the engine loop against vLLM
 #                                   0.33's native chain, the sampled GPU tests, strict mode and
 #                                   the native chain against vLLM's kernels (0.32, 0.33)
+#   bash scripts/gpu_session.sh M   one H200: per-request resolution against vLLM's chains (both
+#                                   pipelines, fast and strict, twice each), the engine loop with
+#                                   the plug-in's resolving call
+#   bash scripts/gpu_session.sh N   one H200: every kernel GPU test and the fuzz corpus under
+#                                   compute-sanitizer memcheck on the final code
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A-L}
+STAGE=${1:?stage A-N}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -237,6 +242,35 @@ L)
   timeout "$(left 565)" python3 -m pytest -q -p no:cacheprovider -m gpu -W default -rf \
     --tb=short tests/test_strict_vllm.py tests/test_vllm_chain.py >"$OUT/vllm_L.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/vllm_L.log" | tail -12
+  ;;
+M)
+  # per-request resolution on one H200: flagged top-p requests resolved from their own rows ==
+  # vLLM's chain on the whole step (0.32, 0.33; split and monolithic pipelines; fast and strict;
+  # twice, bit-compared), then the engine-faithful loop with the plug-in's resolving call
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "resolution vs vLLM's chains"
+  SHARDMAX_RESOLVE_GPU_SEEDS=${RESOLVE_SEEDS:-110} timeout "$(left 260)" python3 -m pytest -q -s \
+    -p no:cacheprovider -m gpu -W default -rf --tb=short tests/test_resolve.py \
+    >"$OUT/resolve_M.log" 2>&1
+  echo "  rc=$?"; grep -E "resolve gpu|passed|failed|^FAILED|^E " "$OUT/resolve_M.log" | tail -40
+  stamp "engine-faithful loop"
+  timeout "$(left 570)" python3 -m benchmarks.engine --steps 100 ${ENGINE_ARGS:-} \
+    --out "$OUT/engine" >"$OUT/engine_M.log" 2>&1
+  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) " "$OUT/engine_M.log"
+  ;;
+N)
+  # the final code on one H200: every GPU test of the kernels (sampled calls twice,
+  # bit-compared) and the fuzz corpus under compute-sanitizer memcheck, value checks off
+  stamp "GPU tests"
+  timeout "$(left 300)" python3 -m pytest -q -p no:cacheprovider -m gpu -W default -rf --tb=line \
+    tests/test_gpu.py >"$OUT/tests_N.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|Error" "$OUT/tests_N.log" | tail -12
+  stamp "fuzz corpus under compute-sanitizer memcheck (value checks off)"
+  SHARDMAX_FUZZ_VALUE_CHECKS=0 SHARDMAX_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-8} timeout "$(left 570)" \
+    compute-sanitizer --tool memcheck --print-limit 20 --error-exitcode 99 \
+    python3 -m pytest -q -p no:cacheprovider -W default -rf --tb=short tests/test_fuzz.py \
+    >"$OUT/sanitizer_N.log" 2>&1
+  echo "  rc=$?"; grep -E "ERROR SUMMARY|passed|failed|^FAILED" "$OUT/sanitizer_N.log" | tail -6
   ;;
 *)
   echo "unknown stage $STAGE" >&2
