@@ -28,7 +28,17 @@ import torch
 from shardmax.ops.sampled import VerifyResult
 from shardmax.runtime.shard import ShardContext
 
-__all__ = ["apply_resolved", "flagged_requests", "gather_rows", "request_rows"]
+__all__ = ["apply_resolved", "flagged_requests", "gather_rows", "request_rows", "stage"]
+
+
+def stage(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without a host sync: on CUDA through pinned memory (PyTorch's
+    caching host allocator) and a non-blocking copy in stream order; elsewhere a plain copy.
+    (A copy from pageable memory would wait for every kernel queued before it.)"""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def flagged_requests(result: VerifyResult) -> tuple[np.ndarray, np.ndarray]:
@@ -89,7 +99,7 @@ def gather_rows(ctx: ShardContext, local_logits: torch.Tensor, rows: np.ndarray)
             f"{int(idx.max())}]"
         )
     m = int(idx.size)
-    mine = local_logits.index_select(0, torch.from_numpy(idx).to(local_logits.device))
+    mine = local_logits.index_select(0, stage(idx, local_logits.device))
     parts = ctx.coll.all_gather_dim0(mine)  # [tp * m, W], rank-major
     if g.tiles_from_zero:
         full = parts.view(g.tp, m, g.width).permute(1, 0, 2).reshape(m, g.tp * g.width)
@@ -131,7 +141,7 @@ def apply_resolved(
         )
     if n == 0:
         return result
-    idx = torch.from_numpy(np.asarray(requests, dtype=np.int64)).to(result.sampled.device)
+    idx = stage(np.asarray(requests, dtype=np.int64), result.sampled.device)
     cols = torch.arange(k1, device=sampled.device)[None, :]
     tokens = torch.where(cols < num_sampled.to(torch.int64)[:, None], sampled.to(torch.int64), -1)
     result.sampled.index_copy_(0, idx, tokens.to(result.sampled.dtype))

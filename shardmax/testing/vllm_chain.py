@@ -76,6 +76,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import torch
 
+from shardmax.ops.resolve import stage
 from shardmax.testing.vllm_oracle import _version_key, import_tree, kernel_trees, tree_version
 
 __all__ = [
@@ -867,12 +868,10 @@ class NativeChain:
                 np.asarray(slots[start:end]), state, vocab, int(cu_np[end] - cu_np[start])
             )
             lo, hi = int(sub_cu_np[sel[0]]), int(sub_cu_np[sel[-1] + 1])
-            rows_t = torch.from_numpy(row_of[lo:hi]).to(device)
-            reqs_t = torch.from_numpy(req[sel]).to(device)
+            rows_t = stage(row_of[lo:hi], device)
+            reqs_t = stage(req[sel], device)
             eim = expanded_idx_mapping[rows_t]
-            chunk_cu = torch.from_numpy(sub_cu_np[sel[0] : sel[-1] + 2] - lo).to(
-                device=device, dtype=cu_num_logits.dtype
-            )
+            chunk_cu = stage(sub_cu_np[sel[0] : sel[-1] + 2] - lo, device).to(cu_num_logits.dtype)
             processed = self._process_chunk(rows_logits[lo:hi], eim, slots, state, vocab, gates)
             sampled_c, num_sampled_c = rs(
                 processed,
@@ -896,8 +895,8 @@ class NativeChain:
             sampled, num_sampled = sampled_parts[0], num_sampled_parts[0]
         else:
             sampled, num_sampled = torch.cat(sampled_parts), torch.cat(num_sampled_parts)
-        req_t = torch.from_numpy(req).to(device)
-        sub_cu = torch.from_numpy(sub_cu_np).to(device=device, dtype=cu_num_logits.dtype)
+        req_t = stage(req, device)
+        sub_cu = stage(sub_cu_np, device).to(cu_num_logits.dtype)
         num_sampled, num_rejected = self.modules.input_batch.get_num_sampled_and_rejected(
             num_sampled, seq_lens[req_t], sub_cu, idx_mapping[req_t], prefill_len
         )
