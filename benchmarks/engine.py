@@ -227,6 +227,7 @@ def _profile(step: Callable[[], Any], tag: str) -> None:
     torch.cuda.synchronize()
     print(f"--- host profile: {tag} (300 calls; tottime s)")
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
 def _syncs(step: Callable[[], Any]) -> str:
@@ -317,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{flagged} ({left} left flagged)"
                     )
             if args.profile:
-                _profile(paths["shardmax"], f"{mix} rows={reqs * (args.k + 1)}")
+                for name in ("shardmax", "shardmax+resolve"):
+                    if name in paths:
+                        _profile(paths[name], f"{name} {mix} rows={reqs * (args.k + 1)}")
             for path, step in paths.items():
                 row = {"mix": mix, "rows": reqs * (args.k + 1), "reqs": reqs,
                        "vocab": args.vocab, "dtype": "bf16", "tp": 1, "path": path,
