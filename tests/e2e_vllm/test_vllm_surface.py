@@ -425,7 +425,7 @@ _NUCLEUS_PARAMS = [  # the models' defaults, a top-k + top-p request, min-p, a g
 
 
 @pytest.mark.parametrize("rows", ["peaked", "flat"])
-def test_top_p_step_is_sharded_and_resolved_per_request(vllm_config, rows):
+def test_top_p_step_is_sharded_and_resolved_per_request(vllm_config, rows, monkeypatch):
     """Top-k / top-p / min-p requests take the sharded path; the requests it flags (here the flat
     rows: nuclei wider than the candidates) are resolved from their own rows with this vLLM's own
     kernels, and the step's outputs == vLLM's own ``sample`` (run with the interpreter's loop
@@ -434,6 +434,7 @@ def test_top_p_step_is_sharded_and_resolved_per_request(vllm_config, rows):
         SamplingParams(seed=2000 + i, max_tokens=16, **kw) for i, kw in enumerate(_NUCLEUS_PARAMS)
     ]
     s = Step(vllm_config, params=params, seed=5)
+    monkeypatch.setenv(step.ENV_NUCLEUS, "1")
     if rows == "flat":
         s.hidden = s.hidden * 0.05  # near-uniform rows: the nucleus holds most of the vocabulary
     assert not s.decision(allow_temperature=True).ok  # without a resolver: vLLM's path
@@ -453,14 +454,17 @@ def test_top_p_step_is_sharded_and_resolved_per_request(vllm_config, rows):
     assert not bad
 
 
-def test_resolution_off_reruns_flagged_steps(vllm_config, monkeypatch):
-    """``SHARDMAX_VLLM_RESOLVE=0``: top-p steps go to vLLM's path with their reason."""
-    monkeypatch.setenv(step.ENV_RESOLVE, "0")
+@pytest.mark.parametrize("env", ["default", "resolve-off"])
+def test_top_p_steps_stay_on_vllms_path_unless_routed(vllm_config, monkeypatch, env):
+    """By default (``SHARDMAX_VLLM_NUCLEUS`` unset), and with ``SHARDMAX_VLLM_RESOLVE=0`` even
+    when routed, top-k / top-p / min-p steps go to vLLM's path with their reason."""
+    if env == "resolve-off":
+        monkeypatch.setenv(step.ENV_NUCLEUS, "1")
+        monkeypatch.setenv(step.ENV_RESOLVE, "0")
+        assert step.resolver() is None
     params = [SamplingParams(seed=7, max_tokens=16, **kw) for kw in _NUCLEUS_PARAMS]
     s = Step(vllm_config, params=params, seed=5)
-    assert step.resolver() is None
-    ctx = _interpreter_loop_tensors_or_null()
-    with ctx:
+    with _interpreter_loop_tensors_or_null():
         s.plugin()
     st = smv.stats()
     assert st["native_verify"] == 1 and st["sharded_sampled_verify"] == 0, st

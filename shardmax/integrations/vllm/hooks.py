@@ -230,7 +230,8 @@ def maybe_verify_sharded(
     * All requests greedy and :func:`~shardmax.integrations.vllm.gate.step_decision` allows it:
       :func:`~shardmax.integrations.vllm.step.verify_greedy` (counter ``sharded_verify``).
     * Some request sampled (temperature > 0) and ``step_decision(allow_temperature=True,
-      allow_nucleus=<a resolver loads>)`` allows it (temperature, top-k, top-p, min-p rows):
+      allow_nucleus=<SHARDMAX_VLLM_NUCLEUS=1 and a resolver loads>)`` allows it (temperature
+      rows; with ``SHARDMAX_VLLM_NUCLEUS=1`` also top-k, top-p, min-p rows):
       :func:`~shardmax.integrations.vllm.step.verify_sampled`. Exactness rule: every request
       that comes back with ``fallback`` set (NaN / inf rows, a nucleus wider than the candidates,
       a boundary tie, an LSE at the margin, ...) is resolved from its own gathered rows by vLLM's
@@ -259,7 +260,7 @@ def maybe_verify_sharded(
         counters.bump("sharded_verify")
         return out
     if getattr(input_batch, "num_reqs", 0) > 0 and not _all_greedy(runner, input_batch):
-        nucleus = step.resolver() is not None
+        nucleus = step.nucleus_routing() and step.resolver() is not None
         decision = gate.step_decision(
             runner, input_batch, grammar_output, allow_temperature=True, allow_nucleus=nucleus
         )

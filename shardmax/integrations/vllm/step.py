@@ -29,6 +29,7 @@ import torch
 from shardmax.integrations.vllm import counters
 
 __all__ = [
+    "ENV_NUCLEUS",
     "ENV_RESOLVE",
     "ENV_SAMPLED_MODE",
     "SAMPLED_MODES",
@@ -39,6 +40,7 @@ __all__ = [
     "has_nucleus",
     "is_warmup_step",
     "local_verify_inputs",
+    "nucleus_routing",
     "resolution_enabled",
     "resolver",
     "sampled_mode",
@@ -311,6 +313,7 @@ def sampled_mode() -> str:
 
 
 ENV_RESOLVE = "SHARDMAX_VLLM_RESOLVE"
+ENV_NUCLEUS = "SHARDMAX_VLLM_NUCLEUS"
 
 
 @dataclass(frozen=True)
@@ -331,6 +334,17 @@ def resolution_enabled() -> bool:
     turns it off (every flagged step re-runs natively, and top-k / top-p / min-p steps are left
     to vLLM)."""
     return os.environ.get(ENV_RESOLVE, "1").strip() not in ("0", "false", "off", "no")
+
+
+def nucleus_routing() -> bool:
+    """Whether top-k / top-p / min-p steps take the sharded path (``$SHARDMAX_VLLM_NUCLEUS=1``;
+    default off). Off by measured cost: on one H200 (engine loop, V = 200064, T = 1 / top-p
+    0.95, 32-512 rows) the resolving call -- the flag read, then vLLM's own kernels on the
+    flagged requests' rows -- took 2.5-4.2 ms of host time against 0.47-0.81 ms for vLLM's whole
+    chain, while the all-gather it saves at TP 2 is about 0.1 ms at 96 rows (README "Known
+    limits").
+    Needs a resolver (:func:`resolver`)."""
+    return os.environ.get(ENV_NUCLEUS, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def resolver() -> Any:
