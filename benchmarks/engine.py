@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         metavar="CSV",
-        help="only draw engine.png next to an engine.csv of an earlier run",
+        help="only draw engine.png and write ENGINE.md next to an engine.csv of an earlier run",
     )
     ap.add_argument(
         "--profile",
@@ -269,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.plot is not None:
         plot(args.plot, args.plot.with_suffix(".png"))
-        print(f"wrote {args.plot.with_suffix('.png')}")
+        (args.plot.parent / "ENGINE.md").write_text(summary(load_csv(args.plot)) + "\n")
+        print(f"wrote {args.plot.with_suffix('.png')} and {args.plot.parent / 'ENGINE.md'}")
         return 0
     if not torch.cuda.is_available():
         print("benchmarks.engine: needs a GPU (it times CUDA graphs and eager GPU calls)",
@@ -423,7 +424,38 @@ def summary(results: list[dict[str, Any]]) -> str:
                 f"{r['tokens_per_s']:.0f} vs {v['tokens_per_s']:.0f} "
                 f"({'PASS' if r['tokens_per_s'] >= v['tokens_per_s'] else 'FAIL'})"
             )
+    resolving = [(k, r) for k, r in by.items() if k[2] == "shardmax+resolve"]
+    if resolving:
+        lines += ["", "## The plug-in's resolving call (issue 18)", "",
+                  "One host read of the flags, then the flagged requests verified from their own "
+                  "rows by vLLM's own kernels (`shardmax+resolve`), against vLLM's whole chain:",
+                  ""]  # fmt: skip
+        for (mix, rows, _), r in resolving:
+            v = by.get((mix, rows, "vllm"))
+            if v is None:
+                continue
+            lines.append(
+                f"- {mix} rows {rows}: host {r['host_us_mean']:.1f} vs {v['host_us_mean']:.1f} us; "
+                f"tokens/s {r['tokens_per_s']:.0f} vs {v['tokens_per_s']:.0f} "
+                f"({'PASS' if r['tokens_per_s'] >= v['tokens_per_s'] else 'FAIL'}); {r['note']}"
+            )
     return "\n".join(lines)
+
+
+def load_csv(csv_path: Path) -> list[dict[str, Any]]:
+    """The rows of an ``engine.csv`` with its numbers as numbers (for :func:`summary`)."""
+    with csv_path.open() as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for k, v in r.items():
+            if k in ("rows", "reqs", "vocab", "tp", "steps"):
+                r[k] = int(v)
+            elif k not in ("mix", "dtype", "path", "host_sync", "note"):
+                try:
+                    r[k] = float(v)
+                except ValueError:
+                    pass  # "not capturable: ..." and empty cells stay text
+    return rows
 
 
 if __name__ == "__main__":
