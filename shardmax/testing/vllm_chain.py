@@ -359,6 +359,19 @@ def _array(name: str, a: Any, length: int, kind: str) -> np.ndarray:
 _INDEX = (torch.int32, torch.int64)
 
 
+class _Chunk(NamedTuple):
+    """One ``rejection_sample`` call's tensors (a vLLM chunk, or some requests of one)."""
+
+    logits: torch.Tensor
+    draft_sampled: torch.Tensor
+    cu_num_logits: torch.Tensor
+    pos: torch.Tensor
+    idx_mapping: torch.Tensor
+    eim: torch.Tensor
+    expanded_local_pos: torch.Tensor
+    gates: NativeChain._Gates
+
+
 class NativeChain:
     """vLLM's native verification chain of one version (module docstring).
 
@@ -565,7 +578,8 @@ class NativeChain:
             raise TypeError("idx_mapping_np: expected a 1-D numpy array (the chunk's slots)")
         slots = self._slots(idx_mapping_np, len(idx_mapping_np), len(state.temperature_np))
         self.last_pipelines = []
-        return self._process_chunk(logits, expanded_idx_mapping, slots, state, vocab)
+        gates = self._gates(slots, state, vocab, rows)
+        return self._process_chunk(logits, expanded_idx_mapping, state, vocab, gates)
 
     # ---- one step: RejectionSampler.__call__ ---------------------------------------------
 
@@ -707,7 +721,44 @@ class NativeChain:
             slots, cu_np = idx_mapping_np, cu_num_logits_np
 
         limit = self.max_chunk_rows or max_chunk_logits(vocab)
-        chunks = request_chunks(cu_np, limit)
+        parts = []
+        for start, end in request_chunks(cu_np, limit):
+            lo, hi = int(cu_np[start]), int(cu_np[end])
+            parts.append(
+                _Chunk(
+                    logits[lo:hi],
+                    draft_sampled[lo:hi],
+                    cu_num_logits[start : end + 1] - lo,
+                    pos[lo:hi],
+                    idx_mapping[start:end],
+                    expanded_idx_mapping[lo:hi],
+                    expanded_local_pos[lo:hi],
+                    self._gates(slots[start:end], state, vocab, hi - lo),
+                )
+            )
+        return self._rejection(
+            parts, state, vocab, k, temperature_gpu, seed_gpu, synthetic_conditional_rates,
+            use_fp64_gumbel, seq_lens, cu_num_logits, idx_mapping, prefill_len,
+        )  # fmt: skip
+
+    def _rejection(
+        self,
+        parts: list[_Chunk],
+        state: NativeChain._State,
+        vocab: int,
+        k: int,
+        temperature_gpu: torch.Tensor,
+        seed_gpu: torch.Tensor,
+        synthetic_conditional_rates: torch.Tensor | None,
+        use_fp64_gumbel: bool,
+        seq_lens: torch.Tensor,
+        cu_num_logits: torch.Tensor,
+        idx_mapping: torch.Tensor,
+        prefill_len: torch.Tensor,
+    ) -> ChainOutput:
+        """``_verify`` per chunk (``apply_sampling_params`` with the chunk's gates, then
+        ``rejection_sample``), the chunks' outputs concatenated, then
+        ``get_num_sampled_and_rejected`` over the requests of ``parts`` (in order)."""
         rs = self.modules.rejection.rejection_sample
         extra: dict[str, Any] = {"use_fp64": use_fp64_gumbel, "use_block_verification": False}
         if self.passes_fly:
@@ -715,27 +766,13 @@ class NativeChain:
         self.last_pipelines = []
         sampled_parts: list[torch.Tensor] = []
         num_sampled_parts: list[torch.Tensor] = []
-        for start, end in chunks:
-            lo, hi = int(cu_np[start]), int(cu_np[end])
-            chunk_cu = cu_num_logits[start : end + 1] - lo
-            processed = self._process_chunk(
-                logits[lo:hi], expanded_idx_mapping[lo:hi], slots[start:end], state, vocab
-            )
+        for c in parts:
+            processed = self._process_chunk(c.logits, c.eim, state, vocab, c.gates)
             sampled_c, num_sampled_c = rs(
-                processed,
-                None,
-                draft_sampled[lo:hi],
-                chunk_cu,
-                pos[lo:hi],
-                idx_mapping[start:end],
-                expanded_idx_mapping[lo:hi],
-                expanded_local_pos[lo:hi],
-                temperature_gpu,
-                seed_gpu,
-                k,
-                synthetic_conditional_rates,
+                processed, None, c.draft_sampled, c.cu_num_logits, c.pos, c.idx_mapping, c.eim,
+                c.expanded_local_pos, temperature_gpu, seed_gpu, k, synthetic_conditional_rates,
                 **extra,
-            )
+            )  # fmt: skip
             del processed
             sampled_parts.append(sampled_c)
             num_sampled_parts.append(num_sampled_c)
@@ -850,57 +887,38 @@ class NativeChain:
             empty = torch.empty((0, k + 1), dtype=torch.int64, device=device)
             zero = torch.empty((0,), dtype=torch.int32, device=device)
             return ChainOutput(empty, zero, zero.clone())
-        rs = self.modules.rejection.rejection_sample
-        extra: dict[str, Any] = {"use_fp64": use_fp64_gumbel, "use_block_verification": False}
-        if self.passes_fly:
-            extra.update(fly_window_size=0, **self._fly_defaults)
         row_of = np.concatenate([np.arange(cu_np[r], cu_np[r + 1]) for r in req])
         sub_cu_np = np.concatenate([[0], np.cumsum(sizes[req])])
-        self.last_pipelines = []
-        sampled_parts: list[torch.Tensor] = []
-        num_sampled_parts: list[torch.Tensor] = []
+        parts = []
         limit = self.max_chunk_rows or max_chunk_logits(vocab)
         for start, end in request_chunks(cu_np, limit):
             sel = np.flatnonzero((req >= start) & (req < end))  # positions in `requests`
             if sel.size == 0:
                 continue
+            lo, hi = int(sub_cu_np[sel[0]]), int(sub_cu_np[sel[-1] + 1])
+            rows_t = stage(row_of[lo:hi], device)
+            chunk_cu = stage(sub_cu_np[sel[0] : sel[-1] + 2] - lo, device).to(cu_num_logits.dtype)
             gates = self._gates(
                 np.asarray(slots[start:end]), state, vocab, int(cu_np[end] - cu_np[start])
             )
-            lo, hi = int(sub_cu_np[sel[0]]), int(sub_cu_np[sel[-1] + 1])
-            rows_t = stage(row_of[lo:hi], device)
-            reqs_t = stage(req[sel], device)
-            eim = expanded_idx_mapping[rows_t]
-            chunk_cu = stage(sub_cu_np[sel[0] : sel[-1] + 2] - lo, device).to(cu_num_logits.dtype)
-            processed = self._process_chunk(rows_logits[lo:hi], eim, slots, state, vocab, gates)
-            sampled_c, num_sampled_c = rs(
-                processed,
-                None,
-                draft_sampled[rows_t],
-                chunk_cu,
-                pos[rows_t],
-                idx_mapping[reqs_t],
-                eim,
-                expanded_local_pos[rows_t],
-                temperature_gpu,
-                seed_gpu,
-                k,
-                synthetic_conditional_rates,
-                **extra,
+            parts.append(
+                _Chunk(
+                    rows_logits[lo:hi],
+                    draft_sampled[rows_t],
+                    chunk_cu,
+                    pos[rows_t],
+                    idx_mapping[stage(req[sel], device)],
+                    expanded_idx_mapping[rows_t],
+                    expanded_local_pos[rows_t],
+                    gates,
+                )
             )
-            del processed
-            sampled_parts.append(sampled_c)
-            num_sampled_parts.append(num_sampled_c)
-        if len(sampled_parts) == 1:
-            sampled, num_sampled = sampled_parts[0], num_sampled_parts[0]
-        else:
-            sampled, num_sampled = torch.cat(sampled_parts), torch.cat(num_sampled_parts)
         req_t = stage(req, device)
         sub_cu = stage(sub_cu_np, device).to(cu_num_logits.dtype)
-        num_sampled, num_rejected = self.modules.input_batch.get_num_sampled_and_rejected(
-            num_sampled, seq_lens[req_t], sub_cu, idx_mapping[req_t], prefill_len
-        )
-        return ChainOutput(sampled, num_sampled, num_rejected)
+        return self._rejection(
+            parts, state, vocab, k, temperature_gpu, seed_gpu, synthetic_conditional_rates,
+            use_fp64_gumbel, seq_lens[req_t], sub_cu, idx_mapping[req_t], prefill_len,
+        )  # fmt: skip
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -1071,16 +1089,13 @@ class NativeChain:
         self,
         chunk: torch.Tensor,
         eim: torch.Tensor,
-        slots: np.ndarray,
         st: NativeChain._State,
         vocab: int,
-        gates: NativeChain._Gates | None = None,
+        gates: NativeChain._Gates,
     ) -> torch.Tensor:
-        """``Sampler.apply_sampling_params`` (0.32 / 0.33, identical): the gates read the host
-        arrays at this chunk's slots, as ``SamplingStates`` does -- or, for some requests of a
-        chunk (:meth:`verify_requests`), the whole chunk's ``gates``."""
-        if gates is None:
-            gates = self._gates(slots, st, vocab, chunk.shape[0])
+        """``Sampler.apply_sampling_params`` (0.32 / 0.33, identical) with the chunk's ``gates``
+        (:meth:`_gates` of the chunk's slots, as ``SamplingStates`` reads them; for some
+        requests of a chunk, :meth:`verify_requests`, the whole chunk's)."""
         if not gates.processed:
             self.last_pipelines.append("none")
             return chunk
