@@ -36,6 +36,7 @@ run of the path made a host sync (``torch.cuda.set_sync_debug_mode("error")``). 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import statistics
 import sys
@@ -451,10 +452,8 @@ def load_csv(csv_path: Path) -> list[dict[str, Any]]:
             if k in ("rows", "reqs", "vocab", "tp", "steps"):
                 r[k] = int(v)
             elif k not in ("mix", "dtype", "path", "host_sync", "note"):
-                try:
+                with contextlib.suppress(ValueError):  # "not capturable: ...", "" stay text
                     r[k] = float(v)
-                except ValueError:
-                    pass  # "not capturable: ..." and empty cells stay text
     return rows
 
 
