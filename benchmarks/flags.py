@@ -1,0 +1,195 @@
+"""Flags and bytes of sampled verification on realistic top-p traffic (issue 18's targets).
+
+For T = 1 / top-p 0.95 steps of realistic traffic (:func:`shardmax.testing.traffic.
+realistic_batch`: LM entropy profile, drafts the top token 80 % of the time), emulated TP ranks
+on one GPU, fast and strict mode, every candidate count ``C`` the kernels take: the share of
+requests the step flags (they are resolved per request, :mod:`shardmax.ops.resolve`), the flag
+reasons, and the bytes one rank sends per step -- its records and candidates (one all_gather)
+plus its shard of the flagged requests' rows (the resolution's all_gather) -- as a share of what
+it sends in the full-logits all-gather (its ``[rows, W]`` shard). A whole-step native re-run is
+never needed (resolution has no capacity limit in the eager plug-in), so its rate is 0 by
+construction and not reported.
+
+    python -m benchmarks.flags [--seeds 20] [--vocab 151936,200064] [--reqs 8,40] [--tp 2,4,8]
+        [--out benchmarks/results/<arch>]
+
+Writes ``flags.csv``, ``flags.png`` and ``FLAGS.md`` (only after every case ran). Needs a GPU
+(the interpreter would take hours at these vocabularies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FIELDS = [
+    "vocab", "tp", "rows", "reqs_per_step", "steps", "mode", "candidates", "flagged_req_pct",
+    "flagged_rows_pct", "record_bytes_per_rank", "wire_pct_of_allgather", "reasons",
+]  # fmt: skip
+WIRE_TARGET_PCT = 5.0
+"""Issue 18: bytes crossing ranks <= 5 % of the full-logits all-gather."""
+
+
+def _record_words(full: torch.Tensor, tp: int, mode: str, candidates: int) -> int:
+    """Words (int64) one rank sends in the step's record all_gather (the plan's ``n_words``, the
+    emulator's record launch: block 2048, one split)."""
+    from shardmax.ops.sampled import RecordLaunch, SampledVerifyPlan, record_variant
+    from shardmax.testing.emulate import _stride, emulated_ranks
+
+    shards, ctxs = emulated_ranks(full, tp, None)
+    launch = RecordLaunch(record_variant(full.dtype, 2048), 1, 4, candidates, "emulator")
+    plan = SampledVerifyPlan(
+        ctxs[0], full.shape[0], _stride(shards[0].local_logits), mode=mode,
+        use_fp64_gumbel=False, with_candidates=True, processed=True, launch=launch,
+    )  # fmt: skip
+    return int(plan.n_words)
+
+
+def run_case(
+    vocab: int, tp: int, reqs: int, seeds: int, candidates: tuple[int, ...], device: str = "cuda"
+) -> list[dict]:
+    from shardmax.ops.resolve import flagged_requests, request_rows
+    from shardmax.ops.sampled import FallbackReason
+    from shardmax.testing.emulate_sampled import emulate_verify
+    from shardmax.testing.traffic import realistic_batch
+
+    width = -(-vocab // tp)
+    out = []
+    stats: dict[tuple[str, int], dict[str, Any]] = {}
+    for seed in range(seeds):
+        b = realistic_batch(reqs, 3, vocab, seed=1000 + seed, mix="top_p", device=device)
+        rows = b.logits.shape[0]
+        cu_np = b.cu_num_logits.cpu().numpy()
+        for mode in ("fast", "strict"):
+            for c in candidates:
+                res = emulate_verify(
+                    b.logits, tp, b.draft_sampled, b.cu_num_logits, b.pos, b.idx_mapping,
+                    b.expanded_local_pos, b.temperature, b.seed, 3, top_p=b.top_p, mode=mode,
+                    candidates=c,
+                )  # fmt: skip
+                req, codes = flagged_requests(res)
+                st = stats.get((mode, c))
+                if st is None:
+                    words = _record_words(b.logits, tp, mode, c)
+                    st = stats[(mode, c)] = {"req": 0, "rows": 0, "why": Counter(), "words": words}
+                st["req"] += int(req.size)
+                st["rows"] += int(request_rows(cu_np, req).size)
+                st["why"].update(FallbackReason(int(x)).name for x in codes)
+    del rows
+    total_req, total_rows = reqs * seeds, reqs * 4 * seeds
+    for (mode, c), st in stats.items():
+        rec = 8 * st["words"]
+        gathered = 2 * width * st["rows"] / seeds  # bf16 shard of the flagged rows, per step
+        full = 2 * width * reqs * 4
+        out.append(
+            {
+                "vocab": vocab,
+                "tp": tp,
+                "rows": reqs * 4,
+                "reqs_per_step": reqs,
+                "steps": seeds,
+                "mode": mode,
+                "candidates": c,
+                "flagged_req_pct": 100.0 * st["req"] / total_req,
+                "flagged_rows_pct": 100.0 * st["rows"] / total_rows,
+                "record_bytes_per_rank": rec,
+                "wire_pct_of_allgather": 100.0 * (rec + gathered) / full,
+                "reasons": json.dumps(dict(st["why"].most_common()), sort_keys=False),
+            }
+        )
+    return out
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for key in sorted({(r["vocab"], r["rows"], r["mode"]) for r in rows}):
+        sel = [r for r in rows if (r["vocab"], r["rows"], r["mode"]) == key and r["tp"] == 2]
+        sel.sort(key=lambda r: r["candidates"])
+        x = [r["candidates"] for r in sel]
+        label = f"V={key[0]} rows={key[1]} {key[2]}"
+        axes[0].plot(x, [r["flagged_req_pct"] for r in sel], marker="o", label=label)
+        axes[1].plot(x, [r["wire_pct_of_allgather"] for r in sel], marker="o", label=label)
+    axes[0].set_title("TP2: requests flagged (%)")
+    axes[1].set_title("TP2: bytes sent vs full-logits all-gather (%)")
+    axes[1].axhline(WIRE_TARGET_PCT, color="k", ls="--", lw=0.8)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("candidates C per record split")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+
+
+def summary(rows: list[dict]) -> str:
+    lines = [
+        "# Flags and bytes on realistic T = 1 / top-p 0.95 traffic (issue 18)", "",
+        "| V | TP | rows | mode | C | requests flagged | rows gathered | record B / rank | "
+        "bytes vs all-gather | reasons |", "|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"| {r['vocab']} | {r['tp']} | {r['rows']} | {r['mode']} | {r['candidates']} | "
+            f"{r['flagged_req_pct']:.1f} % | {r['flagged_rows_pct']:.1f} % | "
+            f"{r['record_bytes_per_rank']} | {r['wire_pct_of_allgather']:.1f} % | {r['reasons']} |"
+        )
+    ok = [r for r in rows if r["wire_pct_of_allgather"] <= WIRE_TARGET_PCT]
+    lines += [
+        "", f"Target: bytes <= {WIRE_TARGET_PCT:.0f} % of the full-logits all-gather: "
+        f"{len(ok)} of {len(rows)} cases PASS.",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.flags", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--vocab", default="151936,200064")
+    ap.add_argument("--reqs", default="8,40")
+    ap.add_argument("--tp", default="2,4,8")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.flags: needs a GPU", file=sys.stderr)
+        return 2
+    from shardmax.runtime.defaults import CANDIDATE_CHOICES
+    from shardmax.runtime.dispatch import detect_arch
+
+    rows: list[dict] = []
+    for vocab in (int(v) for v in args.vocab.split(",")):
+        for reqs in (int(r) for r in args.reqs.split(",")):
+            for tp in (int(t) for t in args.tp.split(",")):
+                got = run_case(vocab, tp, reqs, args.seeds, tuple(CANDIDATE_CHOICES))
+                for r in got:
+                    print(f"V={vocab} TP{tp} rows={r['rows']} {r['mode']:6} C={r['candidates']:3}: "
+                          f"flagged {r['flagged_req_pct']:5.1f} % of requests, wire "
+                          f"{r['wire_pct_of_allgather']:5.1f} %  {r['reasons']}", flush=True)  # fmt: skip
+                rows += got
+    out = args.out or Path("benchmarks/results") / (detect_arch() or "unknown")
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "flags.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
+    plot(rows, out / "flags.png")
+    (out / "FLAGS.md").write_text(summary(rows) + "\n")
+    print(summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
