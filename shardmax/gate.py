@@ -133,8 +133,8 @@ def can_shard_verify(
         return_sampling_mask: ``model_config.return_sampling_mask`` (extra output).
         num_draft_tokens: drafts in the step; must be ``> 0``.
         allow_temperature: also accept sampled requests (finite temperature ``> 0``); every other
-            rule is unchanged (top-k / top-p / min-p must still be disabled). Default ``False``:
-            greedy only.
+            rule is unchanged (top-k / top-p / min-p must still be disabled unless
+            ``allow_top_k`` / ``allow_nucleus``). Default ``False``: greedy only.
         allow_top_k: with ``allow_temperature``, also accept top-k requests whose ``k`` fits the
             step's candidates (``0 < k < candidates``; a top-k on a greedy request is ignored,
             as vLLM ignores it). Larger ``k`` is refused with a reason.

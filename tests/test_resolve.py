@@ -106,6 +106,24 @@ def test_gather_rows_other_geometries() -> None:
     assert bool(torch.isneginf(out[:, 3:8]).all())
 
 
+@pytest.mark.parametrize(
+    "ranges", [[(0, 3), (3, 4)], [(0, 4), (4, 0), (4, 4)], [(0, 2), (2, 2)]], ids=str
+)
+def test_gather_rows_contiguous_but_not_vllms_layout(ranges) -> None:
+    """Ranges that tile [0, V) without gaps but not at r * W: every id at its column."""
+    width, num_logits = 4, 3
+    vocab = max(s + n for s, n in ranges)
+    logits = torch.randn(num_logits, vocab)
+    shards = []
+    for s, n in ranges:
+        shard = torch.full((num_logits, width), 99.0)  # padding columns would win if read
+        shard[:, :n] = logits[:, s : s + n]
+        shards.append(shard)
+    rows = np.array([1, 2])
+    out = gather_rows(_ctx(ranges, width, shards, rows, rank=0), shards[0], rows)
+    assert torch.equal(out, logits[rows])
+
+
 def test_gather_rows_bad_input() -> None:
     shards = [torch.randn(4, 8)]
     ctx = _ctx([(0, 8)], 8, shards, np.array([0]), rank=0)
@@ -132,6 +150,21 @@ def test_apply_resolved_writes_and_clears() -> None:
     assert not bool(res.fallback.any()) and res.reason.tolist() == [0, 0, 0, 0]
     with pytest.raises(ValueError, match="resolved outputs"):
         apply_resolved(res, req, sampled[:1], torch.tensor([1]), torch.tensor([1]))
+    for bad in (np.array([3, 1]), np.array([1, 1]), np.array([4]), np.array([-1])):
+        with pytest.raises(ValueError, match="requests"):
+            apply_resolved(
+                res, bad, sampled[: bad.size], torch.ones(bad.size), torch.ones(bad.size)
+            )
+    with pytest.raises(ValueError, match="cu_num_logits_np"):
+        request_rows(np.array([0, 4, 2]), np.array([0]))
+
+
+def test_stage_takes_read_only_arrays() -> None:
+    from shardmax.ops.resolve import stage
+
+    a = np.arange(5)
+    a.setflags(write=False)
+    assert stage(a, torch.device("cpu")).tolist() == [0, 1, 2, 3, 4]
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,6 +257,13 @@ def test_verify_requests_bad_input(chain: NativeChain) -> None:
         chain.verify_requests(b.logits[:5], np.array([0]), **kw)
     with pytest.raises(TypeError, match="requests"):
         chain.verify_requests(b.logits[:4], np.array([0.0]), **kw)
+    # the whole step's arguments are checked as verify checks them
+    with pytest.raises(ValueError, match="seed_gpu"):
+        chain.verify_requests(
+            b.logits[:4], np.array([0]), **{**kw, "seed_gpu": kw["seed_gpu"].int()}
+        )
+    with pytest.raises(ValueError, match="cu_num_logits_np"):
+        chain.verify_requests(b.logits[:4], np.array([0]), **{**kw, "num_speculative_steps": 2})
     out = chain.verify_requests(b.logits[:0], np.array([], dtype=np.int64), **kw)
     assert out.sampled.shape == (0, 4) and out.num_sampled.shape == (0,)
 

@@ -35,7 +35,7 @@ def stage(a: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on ``device`` without a host sync: on CUDA through pinned memory (PyTorch's
     caching host allocator) and a non-blocking copy in stream order; elsewhere a plain copy.
     (A copy from pageable memory would wait for every kernel queued before it.)"""
-    t = torch.from_numpy(np.ascontiguousarray(a))
+    t = torch.from_numpy(np.require(a, requirements=("C", "W")))  # copies only if needed
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -57,15 +57,42 @@ def request_rows(cu_num_logits_np: np.ndarray, requests: np.ndarray) -> np.ndarr
     """int64 ``[m]``: the logits rows ``cu[r] .. cu[r+1] - 1`` of each of ``requests``, in order.
 
     Raises:
-        ValueError: ``requests`` outside ``[0, num_reqs)`` (named).
+        ValueError: ``cu_num_logits_np`` not non-decreasing, ``requests`` not strictly
+            increasing in ``[0, num_reqs)`` (named).
     """
     cu = np.asarray(cu_num_logits_np, dtype=np.int64)
-    req = np.asarray(requests, dtype=np.int64)
-    if req.size and (int(req.min()) < 0 or int(req.max()) >= len(cu) - 1):
-        raise ValueError(f"requests: indices must lie in [0, {len(cu) - 1}), got {req.tolist()}")
+    if cu.ndim != 1 or cu.size < 1 or bool((np.diff(cu) < 0).any()):
+        raise ValueError(
+            f"cu_num_logits_np: expected a 1-D non-decreasing array, got {cu.tolist()}"
+        )
+    req = _check_requests(requests, len(cu) - 1)
     if req.size == 0:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate([np.arange(cu[r], cu[r + 1], dtype=np.int64) for r in req])
+
+
+def _check_requests(requests: np.ndarray, num_reqs: int) -> np.ndarray:
+    req = np.asarray(requests)
+    if req.ndim != 1 or (req.size and req.dtype.kind not in "iu"):
+        raise ValueError(f"requests: expected a 1-D integer array, got {req!r}")
+    req = req.astype(np.int64)
+    if req.size and (
+        int(req[0]) < 0 or int(req[-1]) >= num_reqs or bool((np.diff(req) <= 0).any())
+    ):
+        raise ValueError(
+            f"requests: expected strictly increasing indices in [0, {num_reqs}), got {req.tolist()}"
+        )
+    return req
+
+
+def _vllm_layout(ranges: tuple[tuple[int, int], ...], width: int) -> bool:
+    """Rank ``r`` holds ids ``[r W, r W + n_r)`` with ``n_r = clamp(V - r W, 0, W)``: vLLM's
+    vocab-parallel layout, where the gathered ``[m, tp W]`` row IS the row of global ids."""
+    vocab = max(s + n for s, n in ranges)
+    return all(
+        s == min(r * width, vocab) and n == max(0, min(width, vocab - r * width))
+        for r, (s, n) in enumerate(ranges)
+    )
 
 
 def gather_rows(ctx: ShardContext, local_logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
@@ -78,8 +105,8 @@ def gather_rows(ctx: ShardContext, local_logits: torch.Tensor, rows: np.ndarray)
 
     Returns:
         ``[m, V]`` in the model dtype, ``V = ctx.geometry.vocab``: column ``v`` holds global id
-        ``v``. When the ranks tile ``[0, V)`` in rank order (vLLM's layout) it is a view of the
-        gathered ``[m, tp * W]`` tensor, exactly the layout (and row stride) of vLLM's
+        ``v``. In vLLM's layout (rank ``r`` holds ``[r W, r W + W)``, the last rank padded) it is
+        a ``[:, :V]`` view of an ``[m, tp * W]`` tensor: the layout and row stride of vLLM's
         ``compute_logits`` output for those rows; otherwise a contiguous tensor, ids no rank
         holds are ``-inf``.
 
@@ -101,7 +128,7 @@ def gather_rows(ctx: ShardContext, local_logits: torch.Tensor, rows: np.ndarray)
     m = int(idx.size)
     mine = local_logits.index_select(0, stage(idx, local_logits.device))
     parts = ctx.coll.all_gather_dim0(mine)  # [tp * m, W], rank-major
-    if g.tiles_from_zero:
+    if _vllm_layout(g.ranges, g.width):
         full = parts.view(g.tp, m, g.width).permute(1, 0, 2).reshape(m, g.tp * g.width)
         return full[:, : g.vocab]
     out = torch.full((m, g.vocab), float("-inf"), dtype=local_logits.dtype, device=parts.device)
@@ -129,10 +156,14 @@ def apply_resolved(
     Returns:
         ``result`` itself.
 
+    Counts are written as given (checking their range would read the device).
+
     Raises:
-        ValueError: shapes that do not match ``requests`` / ``result``.
+        ValueError: ``requests`` not strictly increasing in ``[0, num_reqs)``; shapes that do not
+            match ``requests`` / ``result``.
     """
-    n = int(np.asarray(requests).size)
+    req = _check_requests(requests, result.sampled.shape[0])
+    n = int(req.size)
     k1 = result.sampled.shape[1]
     if tuple(sampled.shape) != (n, k1) or num_sampled.shape != (n,) or num_rejected.shape != (n,):
         raise ValueError(
@@ -141,7 +172,7 @@ def apply_resolved(
         )
     if n == 0:
         return result
-    idx = stage(np.asarray(requests, dtype=np.int64), result.sampled.device)
+    idx = stage(req, result.sampled.device)
     cols = torch.arange(k1, device=sampled.device)[None, :]
     tokens = torch.where(cols < num_sampled.to(torch.int64)[:, None], sampled.to(torch.int64), -1)
     result.sampled.index_copy_(0, idx, tokens.to(result.sampled.dtype))

@@ -670,50 +670,17 @@ class NativeChain:
             logits_processing, num_logprobs, watermark_key,
         )  # fmt: skip
         k = num_speculative_steps
+        vocab = int(logits.shape[1])
         if checks:
-            device = logits.device
             vocab = self._check_logits(logits)
-            num_logits = logits.shape[0]
-            if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-                raise ValueError(f"num_speculative_steps: expected an int >= 0, got {k!r}")
-            if not isinstance(cu_num_logits, torch.Tensor) or cu_num_logits.dim() != 1:
-                raise ValueError("cu_num_logits: expected a 1-D tensor [num_reqs + 1]")
-            num_reqs = cu_num_logits.shape[0] - 1
-            if num_reqs < 1:
-                raise ValueError(
-                    f"cu_num_logits: expected >= 2 entries, got {cu_num_logits.shape[0]}"
-                )
-            _tensor("cu_num_logits", cu_num_logits, _INDEX, (num_reqs + 1,), device)
-            _tensor("draft_sampled", draft_sampled, _INDEX, (num_logits,), device)
-            _tensor("pos", pos, _INDEX, (num_logits,), device)
-            _tensor("idx_mapping", idx_mapping, _INDEX, (num_reqs,), device)
-            _tensor("expanded_idx_mapping", expanded_idx_mapping, _INDEX, (num_logits,), device)
-            _tensor("expanded_local_pos", expanded_local_pos, _INDEX, (num_logits,), device)
-            _tensor("seq_lens", seq_lens, _INDEX, (num_reqs,), device)
-            state = self._sampling_state(
-                vocab, device, temperature_gpu, temperature_np, top_k_gpu, top_k_np, top_p_gpu,
-                top_p_np, min_p_gpu, min_p_np,
+            state, slots, cu_np = self._check_step(
+                logits.device, vocab, logits.shape[0], k, draft_sampled, cu_num_logits, pos,
+                idx_mapping, expanded_idx_mapping, expanded_local_pos, temperature_gpu,
+                seed_gpu, idx_mapping_np, cu_num_logits_np, temperature_np, seq_lens,
+                prefill_len, top_k_gpu, top_k_np, top_p_gpu, top_p_np, min_p_gpu, min_p_np,
+                synthetic_conditional_rates,
             )  # fmt: skip
-            max_reqs = len(state.temperature_np)
-            _tensor("seed_gpu", seed_gpu, (torch.int64,), (max_reqs,), device)
-            _tensor("prefill_len", prefill_len, _INDEX, (max_reqs,), device)
-            if synthetic_conditional_rates is not None:
-                _tensor("synthetic_conditional_rates", synthetic_conditional_rates,
-                        (torch.float32,), (k,), device)  # fmt: skip
-            slots = self._slots(idx_mapping_np, num_reqs, max_reqs)
-            cu_np = _array("cu_num_logits_np", cu_num_logits_np, num_reqs + 1, "iu")
-            sizes = np.diff(cu_np.astype(np.int64))
-            if (
-                int(cu_np[0]) != 0
-                or int(cu_np[-1]) != num_logits
-                or bool(((sizes < 1) | (sizes > k + 1)).any())
-            ):
-                raise ValueError(
-                    f"cu_num_logits_np: expected 0 = cu[0] < ... < cu[num_reqs] = num_logits = "
-                    f"{num_logits} with 1..K+1 = 1..{k + 1} rows per request, got {cu_np.tolist()}"
-                )
         else:
-            vocab = int(logits.shape[1])
             state = NativeChain._State(
                 temperature_gpu, temperature_np, top_k_gpu, top_k_np, top_p_gpu, top_p_np,
                 min_p_gpu, min_p_np,
@@ -740,6 +707,73 @@ class NativeChain:
             parts, state, vocab, k, temperature_gpu, seed_gpu, synthetic_conditional_rates,
             use_fp64_gumbel, seq_lens, cu_num_logits, idx_mapping, prefill_len,
         )  # fmt: skip
+
+    def _check_step(
+        self,
+        device: torch.device,
+        vocab: int,
+        num_logits: int,
+        k: Any,
+        draft_sampled: Any,
+        cu_num_logits: Any,
+        pos: Any,
+        idx_mapping: Any,
+        expanded_idx_mapping: Any,
+        expanded_local_pos: Any,
+        temperature_gpu: Any,
+        seed_gpu: Any,
+        idx_mapping_np: Any,
+        cu_num_logits_np: Any,
+        temperature_np: Any,
+        seq_lens: Any,
+        prefill_len: Any,
+        top_k_gpu: Any,
+        top_k_np: Any,
+        top_p_gpu: Any,
+        top_p_np: Any,
+        min_p_gpu: Any,
+        min_p_np: Any,
+        synthetic_conditional_rates: Any,
+    ) -> tuple[NativeChain._State, np.ndarray, np.ndarray]:
+        """:meth:`verify`'s checks of a step's arguments (``num_logits`` rows, vocabulary
+        ``vocab``); returns the sampling state, the request slots and ``cu_num_logits_np``."""
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"num_speculative_steps: expected an int >= 0, got {k!r}")
+        if not isinstance(cu_num_logits, torch.Tensor) or cu_num_logits.dim() != 1:
+            raise ValueError("cu_num_logits: expected a 1-D tensor [num_reqs + 1]")
+        num_reqs = cu_num_logits.shape[0] - 1
+        if num_reqs < 1:
+            raise ValueError(f"cu_num_logits: expected >= 2 entries, got {cu_num_logits.shape[0]}")
+        _tensor("cu_num_logits", cu_num_logits, _INDEX, (num_reqs + 1,), device)
+        _tensor("draft_sampled", draft_sampled, _INDEX, (num_logits,), device)
+        _tensor("pos", pos, _INDEX, (num_logits,), device)
+        _tensor("idx_mapping", idx_mapping, _INDEX, (num_reqs,), device)
+        _tensor("expanded_idx_mapping", expanded_idx_mapping, _INDEX, (num_logits,), device)
+        _tensor("expanded_local_pos", expanded_local_pos, _INDEX, (num_logits,), device)
+        _tensor("seq_lens", seq_lens, _INDEX, (num_reqs,), device)
+        state = self._sampling_state(
+            vocab, device, temperature_gpu, temperature_np, top_k_gpu, top_k_np, top_p_gpu,
+            top_p_np, min_p_gpu, min_p_np,
+        )  # fmt: skip
+        max_reqs = len(state.temperature_np)
+        _tensor("seed_gpu", seed_gpu, (torch.int64,), (max_reqs,), device)
+        _tensor("prefill_len", prefill_len, _INDEX, (max_reqs,), device)
+        if synthetic_conditional_rates is not None:
+            _tensor("synthetic_conditional_rates", synthetic_conditional_rates,
+                    (torch.float32,), (k,), device)  # fmt: skip
+        slots = self._slots(idx_mapping_np, num_reqs, max_reqs)
+        cu_np = _array("cu_num_logits_np", cu_num_logits_np, num_reqs + 1, "iu")
+        sizes = np.diff(cu_np.astype(np.int64))
+        if (
+            int(cu_np[0]) != 0
+            or int(cu_np[-1]) != num_logits
+            or bool(((sizes < 1) | (sizes > k + 1)).any())
+        ):
+            raise ValueError(
+                f"cu_num_logits_np: expected 0 = cu[0] < ... < cu[num_reqs] = num_logits = "
+                f"{num_logits} with 1..K+1 = 1..{k + 1} rows per request, got {cu_np.tolist()}"
+            )
+        return state, slots, cu_np
 
     def _rejection(
         self,
@@ -826,7 +860,9 @@ class NativeChain:
         count). Everything else vLLM computes is a function of one row (stats, LSE, masks) or one
         request (acceptance, keyed Gumbel of ``(seed, pos, token)``), so a row verified apart
         gets the bits it gets inside its step (checked against :meth:`verify` by
-        ``tests/test_resolve.py``, on the H200 over both pipelines).
+        ``tests/test_resolve.py``: on the CPU with mixed greedy / temperature / top-p requests
+        and several chunks; on the H200 with realistic T = 1 / top-p 0.95 steps over both
+        top-p pipelines -- top-k, min-p, synthetic and fp64 rows on the CPU only).
 
         Args:
             rows_logits: ``[m, V]`` the logits rows of ``requests`` in step order (the rows
@@ -841,8 +877,9 @@ class NativeChain:
 
         Raises:
             ValueError / TypeError: ``requests`` not strictly increasing in ``[0, num_reqs)``,
-                ``rows_logits`` not ``[m, V]`` for them; with ``checks``, :meth:`verify`'s
-                checks of the step's sampling state.
+                ``rows_logits`` not ``[m, V]`` for them; with ``checks`` (default), every check
+                :meth:`verify` makes of the step's arguments (``checks=False``: the plug-in's
+                call on vLLM's own tensors; wrong input is then undefined behaviour).
             NotImplementedError: as :meth:`verify`.
         """
         self._refuse_unsupported(
@@ -871,11 +908,14 @@ class NativeChain:
                 f"{list(rows_logits.shape)}"
             )
         if checks:
-            state = self._sampling_state(
-                vocab, device, temperature_gpu, temperature_np, top_k_gpu, top_k_np, top_p_gpu,
-                top_p_np, min_p_gpu, min_p_np,
+            num_logits = draft_sampled.shape[0] if isinstance(draft_sampled, torch.Tensor) else -1
+            state, slots, _ = self._check_step(
+                device, vocab, num_logits, num_speculative_steps, draft_sampled, cu_num_logits,
+                pos, idx_mapping, expanded_idx_mapping, expanded_local_pos, temperature_gpu,
+                seed_gpu, idx_mapping_np, cu_num_logits_np, temperature_np, seq_lens,
+                prefill_len, top_k_gpu, top_k_np, top_p_gpu, top_p_np, min_p_gpu, min_p_np,
+                synthetic_conditional_rates,
             )  # fmt: skip
-            slots = self._slots(idx_mapping_np, num_reqs, len(state.temperature_np))
         else:
             state = NativeChain._State(
                 temperature_gpu, temperature_np, top_k_gpu, top_k_np, top_p_gpu, top_p_np,

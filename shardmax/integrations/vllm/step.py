@@ -333,7 +333,7 @@ def resolution_enabled() -> bool:
     """Per-request resolution of flagged requests (default on): ``$SHARDMAX_VLLM_RESOLVE=0``
     turns it off (every flagged step re-runs natively, and top-k / top-p / min-p steps are left
     to vLLM)."""
-    return os.environ.get(ENV_RESOLVE, "1").strip() not in ("0", "false", "off", "no")
+    return os.environ.get(ENV_RESOLVE, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def nucleus_routing() -> bool:
@@ -351,22 +351,44 @@ def resolver() -> Any:
     """vLLM's own verification chain of the installed vLLM
     (:func:`shardmax.testing.vllm_chain.installed_chain`), or None when resolution is off or the
     chain does not load (then no request is resolved: top-k / top-p / min-p steps stay on vLLM's
-    path and flagged steps re-run natively). A failed load is remembered (and logged once)."""
+    path and flagged steps re-run natively).
+
+    Decided once per process and agreed on by every TP rank (one all-reduce of "it loads" over
+    vLLM's TP group at the first call, which every rank makes at the same step): ranks that took
+    different branches would pair their collectives wrongly. A failed load is logged once.
+    """
     if not resolution_enabled():
         return None
-    if _RESOLVER_ERROR:
-        return None
-    from shardmax.testing.vllm_chain import installed_chain
+    if not _RESOLVER:
+        chain, err = None, None
+        try:
+            from shardmax.testing.vllm_chain import installed_chain
 
-    try:
-        return installed_chain()
-    except Exception as e:  # an unknown layout: resolve nothing, say so once
-        _RESOLVER_ERROR.append(repr(e))
-        counters.warn_once("resolver", "shardmax: per-request resolution off (%r)", e)
-        return None
+            chain = installed_chain()
+        except Exception as e:  # an unknown layout: resolve nothing, say so once
+            err = repr(e)
+        if not _every_rank(chain is not None):
+            chain, err = None, err or "another TP rank cannot load vLLM's chain"
+        if err is not None:
+            counters.warn_once("resolver", "shardmax: per-request resolution off (%s)", err)
+        _RESOLVER.append(chain)
+    return _RESOLVER[0]
 
 
-_RESOLVER_ERROR: list[str] = []
+def _every_rank(ok: bool) -> bool:
+    """``ok`` on every rank of vLLM's TP group (MIN all-reduce over its CPU group); ``ok`` itself
+    without a group (TP 1, or vLLM's groups not initialised)."""
+    coordinator = tp_group()
+    if coordinator is None:
+        return ok
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=coordinator.cpu_group)
+    return bool(flag.item())
+
+
+_RESOLVER: list[Any] = []
 
 
 def chain_inputs(
