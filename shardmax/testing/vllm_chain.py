@@ -1174,8 +1174,9 @@ class NativeChain:
         ``x`` may hold only some rows of a chunk of ``chunk_rows`` rows: each row's mask is a
         function of the row, of the pipeline and, in the split pipeline, of the slice count
         ``S(rows, V, #SMs)`` -- so the split pipeline runs on ``x`` padded to ``chunk_rows`` rows
-        (zeros, top-k off, top-p 1: rows no kernel masks), and a chunk vLLM verifies with the
-        monolithic kernel keeps it for fewer rows (split threshold 0 for the call)."""
+        (zeros, top-k off, top-p 1: rows no kernel masks), and a chunk of more rows than vLLM's
+        split threshold keeps the monolithic kernel for fewer rows (split threshold 0 for the
+        call, as with ``topp_pipeline="monolithic"``)."""
         mod = self.modules.topk_topp
         kwargs = {"has_topp_only_rows": only_p} if self.passes_has_topp_only_rows else {}
         rows = x.shape[0]
@@ -1189,7 +1190,9 @@ class NativeChain:
         with contextlib.ExitStack() as stack:
             if self._interpreted:
                 stack.enter_context(_interpreter_loop_tensors())
-            if "split" not in pipeline:
+            if self.topp_pipeline == "monolithic" or chunk_rows > mod._SPLIT_MAX_BATCH:
+                # vLLM's own call on the chunk does not use the split pipeline (nor sets
+                # SPLIT_COVERS_PONLY): keep it so for fewer rows
                 stack.enter_context(_module_value(mod, "_SPLIT_MAX_BATCH", 0))
             out = mod.apply_top_k_top_p_triton(x, k, p, **kwargs)
         return out[:rows] if pad > 0 else out
