@@ -17,7 +17,7 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
    * ``shardmax+resolve``: what the plug-in runs on a sampled step: the same, one host read of
      the flags (a sync) and the flagged requests resolved per request
      (:mod:`shardmax.ops.resolve`: their rows gathered, vLLM's own kernels on them with the
-     whole step's decisions, :meth:`~shardmax.testing.vllm_chain.NativeChain.verify_requests`);
+     whole step's decisions, :meth:`~shardmax.integrations.vllm.chain.NativeChain.verify_requests`);
      every request of it is cross-checked against ``vllm``;
 4. the accepted tokens accumulated on the device (read once at the end, as V2 reads its outputs
    asynchronously).

@@ -13,7 +13,7 @@ re-running the whole step on the all-gathered logits, the caller resolves only t
    step), laid out as vLLM's ``compute_logits`` lays out the gathered logits (``[m, tp * W]``
    viewed as ``[m, V]``);
 4. a resolver that applies vLLM's semantics to those rows exactly as inside the whole step (the
-   vLLM plug-in uses :meth:`shardmax.testing.vllm_chain.NativeChain.verify_requests`, vLLM's own
+   vLLM plug-in uses :meth:`shardmax.integrations.vllm.chain.NativeChain.verify_requests`, vLLM's own
    kernels with the whole step's per-chunk decisions);
 5. :func:`apply_resolved` -- the answers written into the step's outputs, flags cleared.
 

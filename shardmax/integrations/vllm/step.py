@@ -349,7 +349,7 @@ def nucleus_routing() -> bool:
 
 def resolver() -> Any:
     """vLLM's own verification chain of the installed vLLM
-    (:func:`shardmax.testing.vllm_chain.installed_chain`), or None when resolution is off or the
+    (:func:`shardmax.integrations.vllm.chain.installed_chain`), or None when resolution is off or the
     chain does not load (then no request is resolved: top-k / top-p / min-p steps stay on vLLM's
     path and flagged steps re-run natively).
 
@@ -362,7 +362,7 @@ def resolver() -> Any:
     if not _RESOLVER:
         chain, err = None, None
         try:
-            from shardmax.testing.vllm_chain import installed_chain
+            from shardmax.integrations.vllm.chain import installed_chain
 
             chain = installed_chain()
         except Exception as e:  # an unknown layout: resolve nothing, say so once
@@ -446,7 +446,7 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     on every rank, so all ranks take the same branch and the collectives stay matched). Flagged
     requests are resolved from their own rows (:mod:`shardmax.ops.resolve`: one all_gather of
     those rows, then vLLM's own kernels on them with the whole step's per-chunk decisions,
-    :meth:`~shardmax.testing.vllm_chain.NativeChain.verify_requests`); without a resolver the
+    :meth:`~shardmax.integrations.vllm.chain.NativeChain.verify_requests`); without a resolver the
     step comes back ``flagged``."""
     import numpy as np
 
