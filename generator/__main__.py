@@ -4,7 +4,8 @@ python -m generator                 render (write-if-different) into generated/
 python -m generator --check         exit 1 if generated/ is stale (renders in memory)
 python -m generator --arch all      also compile every variant for sm90 and gfx950 and
                                     write generated/<arch>/resources.json
-python -m generator --check --arch all   CI: stale check + compile check
+python -m generator --check --arch all   CI: stale check + compile check (the committed
+                                    resources.json == a fresh compile by the same Triton)
 
 The same command is `shardmax-generate` (console script) or `python -m shardmax.generator`
 from any directory once shardmax is installed; `python -m generator` works from the
@@ -38,6 +39,23 @@ def stale_resources(out: Path, variants: list[str]) -> list[str]:
         if missing or extra:
             problems.append(f"{arch}: {len(missing)} missing, {len(extra)} extra")
     return problems
+
+
+def resource_drift(committed: dict, compiled: dict) -> list[str]:
+    """Variants whose committed AOT report differs from a fresh compile (``"name: registers
+    46 -> 44"``), when both come from the same Triton version (else nothing to compare: another
+    compiler may allocate differently, and the report is not pinned to one)."""
+    if committed.get("triton_version") != compiled.get("triton_version"):
+        return []
+    out = []
+    old, new = committed.get("variants", {}), compiled.get("variants", {})
+    for name in sorted(set(old) & set(new)):
+        diffs = [
+            f"{k} {old[name].get(k)} -> {v}" for k, v in new[name].items() if old[name].get(k) != v
+        ]
+        if diffs:
+            out.append(f"{name}: {', '.join(diffs)}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {c}")
 
     arches = list(ARCHES) if args.arch == "all" else ([] if args.arch == "none" else [args.arch])
+    stale_report = False
     if arches:
         t0 = time.time()
         variants = [n[:-3] for n in names]
@@ -115,14 +134,25 @@ def main(argv: list[str] | None = None) -> int:
                 f"{arch}: compiled {len(rec['variants'])} variants with Triton "
                 f"{rec['triton_version']}; spilling: {spilling or 'none'}"
             )
-            if not args.check:
-                path = out / arch / "resources.json"
+            path = out / arch / "resources.json"
+            if args.check:
+                committed = json.loads(path.read_text()) if path.exists() else {}
+                drift = resource_drift(committed, rec)
+                if committed.get("triton_version") != rec["triton_version"]:
+                    print(f"{arch}: resources.json was written with Triton "
+                          f"{committed.get('triton_version')}, not compared")  # fmt: skip
+                if drift:
+                    print(f"generated/{arch}/resources.json is stale: {drift[:4]}"
+                          f"{' ...' if len(drift) > 4 else ''}\nrun: python -m generator --arch "
+                          "all", file=sys.stderr)  # fmt: skip
+                    stale_report = True
+            else:
                 path.parent.mkdir(exist_ok=True)
                 text = json.dumps(rec, indent=1, sort_keys=True) + "\n"
                 if not path.exists() or path.read_text() != text:
                     path.write_text(text)
         print(f"compile time {time.time() - t0:.1f}s")
-    return 0
+    return 1 if stale_report else 0
 
 
 if __name__ == "__main__":

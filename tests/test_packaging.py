@@ -10,7 +10,7 @@ from pathlib import Path
 
 import tomllib
 
-from generator.__main__ import stale_resources
+from generator.__main__ import resource_drift, stale_resources
 from generator.render import generated_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,3 +71,11 @@ def test_console_scripts_and_packages() -> None:
         module = target.split(":")[0]
         assert module.rsplit(".", 1)[0] in packaged
         importlib.import_module(module)
+
+
+def test_resource_drift_compares_reports_of_one_triton_version() -> None:
+    old = {"triton_version": "3.9.0", "variants": {"k": {"registers": 46, "spill_bytes": 0}}}
+    new = {"triton_version": "3.9.0", "variants": {"k": {"registers": 44, "spill_bytes": 0}}}
+    assert resource_drift(old, new) == ["k: registers 46 -> 44"]
+    assert resource_drift(old, old) == []
+    assert resource_drift(old, {**new, "triton_version": "3.10.0"}) == []  # another compiler
