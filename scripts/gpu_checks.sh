@@ -30,9 +30,13 @@ n = torch.cuda.device_count()
 print(f"torch {torch.__version__} triton {triton.__version__} GPUs {n}: "
       f"{[torch.cuda.get_device_name(i) for i in range(n)]}")
 PY
+# vLLM's kernels as the oracle (strict mode, the native chain, the per-request resolution):
+# carry .vllm-kernels (bash scripts/vllm_kernels.sh [the 0.33 wheel]); without it those skip
+[ -d .vllm-kernels ] && export SHARDMAX_VLLM_KERNELS=${SHARDMAX_VLLM_KERNELS:-$PWD/.vllm-kernels}
 start=$(date +%s)
 python3 -m pytest -m "gpu or multigpu" -q -p no:cacheprovider --junitxml="$OUT_DIR/gpu-tests.xml" "$@" \
-  tests/test_gpu.py tests/test_distributed.py tests/test_reference.py tests/test_strict_vllm.py 2>&1 | tee "$OUT_DIR/gpu-tests.log" | tail -25
+  tests/test_gpu.py tests/test_distributed.py tests/test_reference.py tests/test_strict_vllm.py \
+  tests/test_vllm_chain.py tests/test_resolve.py 2>&1 | tee "$OUT_DIR/gpu-tests.log" | tail -25
 rc=${PIPESTATUS[0]}
 python3 - "$OUT_DIR/gpu-tests.xml" "$(( $(date +%s) - start ))" <<'PY'
 import collections, sys, xml.etree.ElementTree as ET
