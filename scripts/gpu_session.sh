@@ -77,6 +77,16 @@ pair() {  # pair LOGTAG ARGS...: argmax on GPU 0 and verify on GPU 1 at the same
   wait
 }
 
+# sanitized_fuzz STAGE DEADLINE: the fuzz corpus under compute-sanitizer memcheck, value checks off
+sanitized_fuzz() {
+  stamp "fuzz corpus under compute-sanitizer memcheck (value checks off)"
+  SHARDMAX_FUZZ_VALUE_CHECKS=0 SHARDMAX_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-8} timeout "$(left "$2")" \
+    compute-sanitizer --tool memcheck --print-limit 20 --error-exitcode 99 \
+    python3 -m pytest -q -p no:cacheprovider -W default -rf --tb=short tests/test_fuzz.py \
+    >"$OUT/sanitizer_$1.log" 2>&1
+  echo "  rc=$?"; grep -E "ERROR SUMMARY|passed|failed|^FAILED" "$OUT/sanitizer_$1.log" | tail -6
+}
+
 case "$STAGE" in
 A)
   stamp "GPU checks"
@@ -211,12 +221,7 @@ K)
   timeout "$(left 220)" python3 -m pytest -q -p no:cacheprovider -m gpu -W default -rf --tb=line \
     tests/test_gpu.py ${TESTS_K:-} >"$OUT/tests_K.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|^FAILED|Error" "$OUT/tests_K.log" | tail -12
-  stamp "fuzz corpus under compute-sanitizer memcheck (value checks off)"
-  SHARDMAX_FUZZ_VALUE_CHECKS=0 SHARDMAX_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-8} timeout "$(left 300)" \
-    compute-sanitizer --tool memcheck --print-limit 20 --error-exitcode 99 \
-    python3 -m pytest -q -p no:cacheprovider -W default -rf --tb=short tests/test_fuzz.py \
-    >"$OUT/sanitizer_K.log" 2>&1
-  echo "  rc=$?"; grep -E "ERROR SUMMARY|passed|failed|^FAILED" "$OUT/sanitizer_K.log" | tail -6
+  sanitized_fuzz K 300
   stamp "engine-faithful loop"
   timeout "$(left ${ENGINE_END:-540})" python3 -m benchmarks.engine --steps 100 ${ENGINE_ARGS:-} \
     --out "$OUT/engine" >"$OUT/engine_K.log" 2>&1
@@ -265,12 +270,7 @@ N)
   timeout "$(left 300)" python3 -m pytest -q -p no:cacheprovider -m gpu -W default -rf --tb=line \
     tests/test_gpu.py >"$OUT/tests_N.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|^FAILED|Error" "$OUT/tests_N.log" | tail -12
-  stamp "fuzz corpus under compute-sanitizer memcheck (value checks off)"
-  SHARDMAX_FUZZ_VALUE_CHECKS=0 SHARDMAX_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-8} timeout "$(left 570)" \
-    compute-sanitizer --tool memcheck --print-limit 20 --error-exitcode 99 \
-    python3 -m pytest -q -p no:cacheprovider -W default -rf --tb=short tests/test_fuzz.py \
-    >"$OUT/sanitizer_N.log" 2>&1
-  echo "  rc=$?"; grep -E "ERROR SUMMARY|passed|failed|^FAILED" "$OUT/sanitizer_N.log" | tail -6
+  sanitized_fuzz N 570
   ;;
 *)
   echo "unknown stage $STAGE" >&2

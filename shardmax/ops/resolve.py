@@ -28,7 +28,14 @@ import torch
 from shardmax.ops.sampled import VerifyResult
 from shardmax.runtime.shard import ShardContext
 
-__all__ = ["apply_resolved", "flagged_requests", "gather_rows", "request_rows", "stage"]
+__all__ = [
+    "apply_resolved",
+    "check_requests",
+    "flagged_requests",
+    "gather_rows",
+    "request_rows",
+    "stage",
+]
 
 
 def stage(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -58,23 +65,25 @@ def request_rows(cu_num_logits_np: np.ndarray, requests: np.ndarray) -> np.ndarr
 
     Raises:
         ValueError: ``cu_num_logits_np`` not non-decreasing, ``requests`` not strictly
-            increasing in ``[0, num_reqs)`` (named).
+            increasing in ``[0, num_reqs)`` (named). TypeError: ``requests`` not integers.
     """
     cu = np.asarray(cu_num_logits_np, dtype=np.int64)
     if cu.ndim != 1 or cu.size < 1 or bool((np.diff(cu) < 0).any()):
         raise ValueError(
             f"cu_num_logits_np: expected a 1-D non-decreasing array, got {cu.tolist()}"
         )
-    req = _check_requests(requests, len(cu) - 1)
+    req = check_requests(requests, len(cu) - 1)
     if req.size == 0:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate([np.arange(cu[r], cu[r + 1], dtype=np.int64) for r in req])
 
 
-def _check_requests(requests: np.ndarray, num_reqs: int) -> np.ndarray:
+def check_requests(requests: np.ndarray, num_reqs: int) -> np.ndarray:
+    """``requests`` as int64, checked: 1-D integers (else TypeError), strictly increasing in
+    ``[0, num_reqs)`` (else ValueError). Host only."""
     req = np.asarray(requests)
     if req.ndim != 1 or (req.size and req.dtype.kind not in "iu"):
-        raise ValueError(f"requests: expected a 1-D integer array, got {req!r}")
+        raise TypeError(f"requests: expected a 1-D integer array, got {req!r}")
     req = req.astype(np.int64)
     if req.size and (
         int(req[0]) < 0 or int(req[-1]) >= num_reqs or bool((np.diff(req) <= 0).any())
@@ -162,7 +171,7 @@ def apply_resolved(
         ValueError: ``requests`` not strictly increasing in ``[0, num_reqs)``; shapes that do not
             match ``requests`` / ``result``.
     """
-    req = _check_requests(requests, result.sampled.shape[0])
+    req = check_requests(requests, result.sampled.shape[0])
     n = int(req.size)
     k1 = result.sampled.shape[1]
     if tuple(sampled.shape) != (n, k1) or num_sampled.shape != (n,) or num_rejected.shape != (n,):

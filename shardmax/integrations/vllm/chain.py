@@ -80,7 +80,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import torch
 
-from shardmax.ops.resolve import stage
+from shardmax.ops.resolve import check_requests, stage
 
 __all__ = [
     "MODULES",
@@ -839,17 +839,7 @@ class NativeChain:
         device = rows_logits.device
         cu_np = np.asarray(cu_num_logits_np, dtype=np.int64)
         num_reqs = len(cu_np) - 1
-        req = np.asarray(requests)
-        if req.ndim != 1 or req.dtype.kind not in "iu":
-            raise TypeError(f"requests: expected a 1-D integer numpy array, got {req!r}")
-        req = req.astype(np.int64)
-        if req.size and (
-            int(req[0]) < 0 or int(req[-1]) >= num_reqs or bool((np.diff(req) <= 0).any())
-        ):
-            raise ValueError(
-                f"requests: expected strictly increasing indices in [0, {num_reqs}), got "
-                f"{req.tolist()}"
-            )
+        req = check_requests(requests, num_reqs)
         sizes = cu_np[1:] - cu_np[:-1]
         m = int(sizes[req].sum()) if req.size else 0
         if rows_logits.shape[0] != m:
