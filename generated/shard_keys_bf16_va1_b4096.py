@@ -48,17 +48,45 @@ def to_f32(x):
         return x.to(tl.float32)
 
 
+@triton.jit
+def load_block(row_ptr, start, c1, BLOCK: tl.constexpr):
+    """Columns ``[start, start + BLOCK)`` of one row as exact fp32, ``-inf`` at and past ``c1``.
+    ``start`` must be a multiple of 16 (every split starts at a multiple of the block): a full
+    block is loaded unmasked from a 16-aligned column, so the loads vectorise whenever the row
+    stride is a multiple of 16 elements (Triton specialises the stride on that); only the tail
+    block is masked."""
+    lanes = tl.arange(0, BLOCK)
+    if start + BLOCK <= c1:
+        raw = to_f32(tl.load(row_ptr + tl.multiple_of(start, 16) + lanes))
+    else:
+        cols = start + lanes
+        raw = to_f32(tl.load(row_ptr + cols, mask=cols < c1, other=float("-inf")))
+    return raw
+
+
 EMPTY_KEY = tl.constexpr(-9223372036854775807 - 1)  # below every real key, (-inf, id) included
+
+
+@triton.jit
+def order_f32(value):
+    """fp32 value -> int32 whose signed order is (value asc, -0.0 == +0.0, NaN above +inf): the
+    high word of :func:`pack_key`."""
+    value = tl.where(value == 0.0, 0.0, value)
+    bits = value.to(tl.int32, bitcast=True)
+    order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return tl.where(value != value, 0x7FFFFFFF, order)
+
+
+@triton.jit
+def pack_order(order, gid):
+    """:func:`order_f32` bits + int global id -> the int64 key (value desc, id asc)."""
+    return (order.to(tl.int64) << 32) | ((~gid.to(tl.int64)) & 0xFFFFFFFF)
 
 
 @triton.jit
 def pack_key(value, gid):
     """fp32 value + int global id -> int64 key; -0.0 ties +0.0, every NaN is above +inf."""
-    value = tl.where(value == 0.0, 0.0, value)
-    bits = value.to(tl.int32, bitcast=True)
-    order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    order = tl.where(value != value, 0x7FFFFFFF, order)
-    return (order.to(tl.int64) << 32) | ((~gid.to(tl.int64)) & 0xFFFFFFFF)
+    return pack_order(order_f32(value), gid)
 
 
 @triton.jit

@@ -77,6 +77,22 @@ def to_f32(x):
 
 
 @triton.jit
+def load_block(row_ptr, start, c1, BLOCK: tl.constexpr):
+    """Columns ``[start, start + BLOCK)`` of one row as exact fp32, ``-inf`` at and past ``c1``.
+    ``start`` must be a multiple of 16 (every split starts at a multiple of the block): a full
+    block is loaded unmasked from a 16-aligned column, so the loads vectorise whenever the row
+    stride is a multiple of 16 elements (Triton specialises the stride on that); only the tail
+    block is masked."""
+    lanes = tl.arange(0, BLOCK)
+    if start + BLOCK <= c1:
+        raw = to_f32(tl.load(row_ptr + tl.multiple_of(start, 16) + lanes))
+    else:
+        cols = start + lanes
+        raw = to_f32(tl.load(row_ptr + cols, mask=cols < c1, other=float("-inf")))
+    return raw
+
+
+@triton.jit
 def vllm_block_reduce(x):
     """vLLM's ``_compute_max_and_sumexp``: ``max`` and ``sum(exp(x - max))`` (0 if max is -inf)."""
     m = tl.max(x, axis=0)

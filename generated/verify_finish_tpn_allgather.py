@@ -48,13 +48,25 @@ EMPTY_KEY = tl.constexpr(-9223372036854775807 - 1)  # below every real key, (-in
 
 
 @triton.jit
-def pack_key(value, gid):
-    """fp32 value + int global id -> int64 key; -0.0 ties +0.0, every NaN is above +inf."""
+def order_f32(value):
+    """fp32 value -> int32 whose signed order is (value asc, -0.0 == +0.0, NaN above +inf): the
+    high word of :func:`pack_key`."""
     value = tl.where(value == 0.0, 0.0, value)
     bits = value.to(tl.int32, bitcast=True)
     order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    order = tl.where(value != value, 0x7FFFFFFF, order)
+    return tl.where(value != value, 0x7FFFFFFF, order)
+
+
+@triton.jit
+def pack_order(order, gid):
+    """:func:`order_f32` bits + int global id -> the int64 key (value desc, id asc)."""
     return (order.to(tl.int64) << 32) | ((~gid.to(tl.int64)) & 0xFFFFFFFF)
+
+
+@triton.jit
+def pack_key(value, gid):
+    """fp32 value + int global id -> int64 key; -0.0 ties +0.0, every NaN is above +inf."""
+    return pack_order(order_f32(value), gid)
 
 
 @triton.jit

@@ -73,11 +73,15 @@ local stage's: every element carries a MurmurHash3 + two logs (Gumbel key) and t
 
 
 def sampled_variants() -> Iterator[VariantKey]:
-    """Sampled verification (compact mode): record kernel per (dtype, block), one candidate
-    merge, finish per TP."""
+    """Sampled verification (compact mode): record kernel per (dtype, block), the two-phase
+    step's draw kernel per (dtype, block) and its pick, one candidate merge, finish per TP."""
     for dtype in DTYPES:
         for block in SAMPLED_BLOCKS:
             yield VariantKey("sampled_record", dtype=dtype, block=block)
+    for dtype in DTYPES:
+        for block in SAMPLED_BLOCKS:
+            yield VariantKey("sampled_draw", dtype=dtype, block=block)
+    yield VariantKey("sampled_pick")
     yield VariantKey("sampled_merge")
     yield VariantKey("row_params")
     for tp in (*(str(t) for t in UNROLLED_TP), "n"):
@@ -108,6 +112,8 @@ TEMPLATE_OF_FAMILY = {
     "verify_finish": "verify_finish.py.j2",
     "sampled_record": "sampled_record.py.j2",
     "sampled_finish": "sampled_finish.py.j2",
+    "sampled_draw": "sampled_draw.py.j2",
+    "sampled_pick": "sampled_pick.py.j2",
     "sampled_merge": "sampled_merge.py.j2",
     "row_params": "row_params.py.j2",
     "block_stats": "block_stats.py.j2",
@@ -124,13 +130,13 @@ def template_context(key: VariantKey) -> dict[str, object]:
         ctx.update(
             dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align, block=key.block
         )
-    elif key.family == "sampled_record":
+    elif key.family in ("sampled_record", "sampled_draw"):
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], block=key.block)
     elif key.family in ("block_stats", "strict_rebuild"):
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align)
     elif key.family == "strict_replay":
         ctx.update(align=key.align)
-    elif key.family not in ("sampled_merge", "row_params", "strict_lse"):
+    elif key.family not in ("sampled_pick", "sampled_merge", "row_params", "strict_lse"):
         ctx.update(
             transport=key.transport,
             tp=key.tp,

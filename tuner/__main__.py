@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, help="interleaved re-measure rounds (5; 2 on CPU)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument(
+        "--phases-from",
+        type=Path,
+        metavar="CSV",
+        help="write one-pass / two-phase per sampled row from a benchmarks.sampled_local CSV "
+        "(tuner/phases.py) into <out>/<arch>/sampled.json, then exit",
+    )
+    p.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress bars (terminal) or progress lines with ETA (log file)",
@@ -173,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     detected = detect_arch() if on_gpu else None
     arch = args.arch or detected or "sm90"
+    if args.phases_from is not None:
+        from .phases import write_phases
+
+        print(f"wrote {write_phases(args.phases_from, out_dir, arch)}")
+        return 0
     if args.init_defaults:
         for op in ops:
             print(f"wrote {export.write_portable(out_dir, arch, op)}")

@@ -36,6 +36,7 @@ from shardmax.runtime.geometry import Geometry
 from shardmax.runtime.shard import ShardContext
 from shardmax.runtime.validation import SUPPORTED_DTYPES, check_step_batch
 from shardmax.testing import emulate_verify, random_verify_batch
+from shardmax.testing.emulate import RepeatedRank
 from shardmax.testing.shards import vllm_shard_ranges
 
 from . import timing
@@ -81,19 +82,6 @@ PEAK_TOP = 40.0
 PEAK_STEP = 0.25
 """The peaked request's rows: ``PEAK_TOP - PEAK_STEP * i`` at up to 100 random ids (exact in
 bf16 / fp16 / fp32, no ties; gaps far above every guard's resolution), the rest random normal."""
-
-
-class _Repeat:
-    """A rank-0 stand-in group for single-GPU timing: the other ranks' bytes are rank 0's."""
-
-    def __init__(self, tp: int) -> None:
-        self.world_size, self.rank = tp, 0
-
-    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
-        return t.repeat(self.world_size, 1)
-
-    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        return t
 
 
 class SampledRunner:
@@ -232,7 +220,7 @@ class SampledRunner:
         self._inputs = {
             "xs": xs,
             "batch": batch,
-            "ctx": ShardContext(_Repeat(self.tp), geo, 0, dev),
+            "ctx": ShardContext(RepeatedRank(self.tp), geo, 0, dev),
         }
         return self._inputs
 

@@ -54,7 +54,10 @@ from shardmax.runtime import kernels
 from shardmax.runtime.defaults import (
     CANDIDATE_CHOICES,
     DEFAULT_RECORD_BLOCK,
+    DRAW_TARGET_PROGRAMS,
+    DRAW_WARPS,
     MAX_RECORD_SPLITS,
+    PHASE_CHOICES,
     SPLIT_PIPELINE_MAX_ROWS,
     TARGET_PROGRAMS,
     TOPK_CANDIDATES,
@@ -71,6 +74,7 @@ __all__ = [
     "MAX_RECORD_SPLITS",
     "MODES",
     "TOPK_CANDIDATES",
+    "DrawLaunch",
     "FallbackReason",
     "RecordLaunch",
     "SampledVerifyPlan",
@@ -243,13 +247,19 @@ def resolve_chunk_gate(
 
 
 class RecordLaunch(NamedTuple):
-    """How a step runs the record kernel (the same on every rank: it depends on the shape)."""
+    """How a step runs the record kernel (the same on every rank: it depends on the shape).
+
+    ``phases``: 1 = one pass (every sampled row's record carries its Gumbel key), 2 = two-phase
+    on steps without candidates (records without noise; the finish names one row per request,
+    ``sampled_draw_*`` draws only there after a second, small exchange). Candidate steps always
+    run one pass. Both give the same tokens and counts."""
 
     variant: str  # sampled_record_<dtype>_b<block>
     splits: int  # programs per row and rank (S)
     num_warps: int
     candidates: int  # C of a candidate step (top-k requests need k < C)
     source: str  # the table row it came from, "builtin" or "override"
+    phases: int = 1  # 1 | 2 (steps without candidates)
 
     @classmethod
     def of(cls, sel: Selection) -> RecordLaunch:
@@ -259,7 +269,41 @@ class RecordLaunch(NamedTuple):
             int(sel.launch.get("num_warps", 4)),
             sel.candidates,
             sel.source,
+            sel.phases,
         )
+
+
+class DrawLaunch(NamedTuple):
+    """Phase 2 of a two-phase step: the draw kernel and its programs per drawing request (a
+    pure function of the step's shape and request count: the same on every rank)."""
+
+    variant: str  # sampled_draw_<dtype>_b<block>
+    splits: int  # programs per request and rank
+    num_warps: int
+    chunk: int  # columns per program (a multiple of the block)
+
+
+def draw_launch(
+    dtype: torch.dtype,
+    num_reqs: int,
+    num_valid: int,
+    width: int,
+    device: torch.device,
+    splits: int | None = None,
+) -> DrawLaunch:
+    """The built-in rule of the draw kernel (:mod:`shardmax.runtime.defaults`): block
+    :data:`DEFAULT_RECORD_BLOCK`, about ``DRAW_TARGET_PROGRAMS`` programs over the drawing requests on
+    a GPU (1 per request on a CPU) unless ``splits`` fixes the programs per request,
+    :data:`DRAW_WARPS` warps. ``width`` is the padded shard width (the same on every rank, so is
+    the split count), ``num_valid`` this rank's real columns."""
+    if splits is None:
+        target = DRAW_TARGET_PROGRAMS if device.type == "cuda" else 1
+        splits = default_record_splits(num_reqs, width, DEFAULT_RECORD_BLOCK, target)
+    chunk = triton.cdiv(triton.cdiv(num_valid, splits), DEFAULT_RECORD_BLOCK) * DEFAULT_RECORD_BLOCK
+    name = build_name(
+        VariantKey("sampled_draw", dtype=SUPPORTED_DTYPES[dtype], block=DEFAULT_RECORD_BLOCK)
+    )
+    return DrawLaunch(name, splits, DRAW_WARPS, max(chunk, DEFAULT_RECORD_BLOCK))
 
 
 def check_record_selection(variant: str, dtype: str) -> None:
@@ -360,13 +404,15 @@ def sampled_records(
     with_candidates: bool,
     buf: torch.Tensor,
     scratch: torch.Tensor | None,
+    two_phase: bool = False,
 ) -> None:
     """Local stage: ``[rows, W]`` logits -> one rank's records into the flat int64 ``buf``:
     ``[splits * rows, 3 | 4]`` records (split-major: record ``j * rows + r`` covers split ``j``
     of row ``r``), and on a candidate step one more record word (the split's smallest finite
     processed value) followed by ``[splits * rows, C]`` candidates: each split's exact top-``C``
     packed keys of ``x``. ``scratch``: ``[splits * rows, 4 C]`` int64 workspace of the
-    selection (candidate steps)."""
+    selection (candidate steps). ``two_phase``: phase 1 of a two-phase step (records without
+    the Gumbel key, :class:`RecordLaunch`)."""
     rows = local_logits.shape[0]
     if rows == 0:
         return
@@ -396,6 +442,7 @@ def sampled_records(
         CAP=candidate_capacity(c),
         GROUPS=selection_groups(c),
         NETWORK=sorting_network(local_logits.device),
+        NOISE=not two_phase,
         num_warps=launch.num_warps,
     )
 
@@ -471,6 +518,7 @@ def sampled_finish(
     keep: torch.Tensor | None = None,
     unsafe: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    draw: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Finish: gathered records -> :class:`VerifyResult` (one program per request).
 
@@ -478,7 +526,9 @@ def sampled_finish(
     ``(e // splits) * rank_words + (e % splits) * num_logits * W``; ``candidates`` = the merged
     ``[num_logits, C]`` keys of a candidate step (with ``top_k``: the per-slot top-k, zeros when
     the batch has none); ``lse`` (fp32 ``[num_logits]``, strict mode) vLLM's LSE of every row,
-    used instead of the records'."""
+    used instead of the records'; ``draw`` (int32 ``[2 * num_reqs]``, a two-phase step without
+    candidates): the finish leaves each sampled request's drawn token ``-1`` and writes there the
+    row that draws (``-1``: none) and its column, for :func:`draw_keys` / :func:`pick_tokens`."""
     k = batch.num_speculative_steps
     dev = records.device
     res = empty_result(batch.num_reqs, k, dev)
@@ -512,6 +562,7 @@ def sampled_finish(
         fallback,
         res.reason,
         lse if lse is not None else dummy,
+        draw if draw is not None else dummy,
         batch.num_logits,
         batch.num_slots,
         parts,
@@ -528,9 +579,84 @@ def sampled_finish(
         CAND=candidates.shape[1] if candidates is not None else TOPK_CANDIDATES,
         HAS_KEEP=keep is not None,
         STRICT=lse is not None,
+        DRAW=draw is not None,
         num_warps=1,
     )
     return res
+
+
+def draw_keys(
+    local_logits: torch.Tensor,
+    vocab_start: int,
+    num_valid: int,
+    params: RowParams,
+    draw: torch.Tensor,
+    launch: DrawLaunch,
+    use_fp64_gumbel: bool,
+    keys: torch.Tensor,
+) -> None:
+    """Phase 2 of a two-phase step on one rank: for each request ``r`` of ``draw`` (int32
+    ``[2 * num_reqs]``, :func:`sampled_finish`'s) the Gumbel keys of its drawing row over this
+    rank's columns, ``launch.splits`` programs per request, into the flat int64 ``keys``
+    (``[splits * num_reqs, 1 | 2]``, split-major). One ``sampled_draw_*`` launch."""
+    num_reqs = draw.numel() // 2
+    if num_reqs == 0:
+        return
+    k = kernels.kernel(launch.variant)
+    k(
+        (num_reqs, launch.splits),
+        local_logits,
+        keys,
+        draw,
+        params.temperature,
+        params.seed,
+        params.pos,
+        params.draft,
+        local_logits.stride(0),
+        vocab_start,
+        num_valid,
+        launch.chunk,
+        local_logits.shape[0],
+        BLOCK=k.module.BLOCK,
+        FP64=use_fp64_gumbel,
+        num_warps=launch.num_warps,
+    )
+
+
+PICK_REQUESTS = 32
+"""Requests per program of ``sampled_pick``."""
+
+
+def pick_tokens(
+    gathered: torch.Tensor,
+    draw: torch.Tensor,
+    splits: int,
+    use_fp64_gumbel: bool,
+    sampled: torch.Tensor,
+) -> None:
+    """Every rank, on the gathered ``[tp, n]`` draw keys: each drawing request's token into
+    ``sampled`` (int64 ``[num_reqs, K + 1]``) at the column ``draw`` names. One launch."""
+    num_reqs = draw.numel() // 2
+    if num_reqs == 0:
+        return
+    tp, n = gathered.shape
+    parts = tp * splits
+    kernels.kernel("sampled_pick")(
+        (triton.cdiv(num_reqs, PICK_REQUESTS),),
+        gathered,
+        draw,
+        sampled,
+        num_reqs,
+        parts,
+        splits,
+        n,
+        sampled.stride(0),
+        K=sampled.shape[1] - 1,
+        FP64=use_fp64_gumbel,
+        BLOCK_R=PICK_REQUESTS,
+        PARTS_P2=triton.next_power_of_2(parts),
+        num_warps=1,
+    )
 
 
 class SampledVerifyPlan:
@@ -542,12 +668,16 @@ class SampledVerifyPlan:
     layout of the geometry, the finish variant -- is computed here, once.
 
     Stages: :meth:`local` (row parameters, records, strict extras) -> the group's all_gather ->
-    :meth:`finish` (merge, strict LSE, finish). :meth:`run` does all three.
+    :meth:`finish` (merge, strict LSE, finish). A two-phase plan (``launch.phases == 2`` on a step
+    without candidates, :attr:`two_phase`) then runs :meth:`draw` (the drawing rows' Gumbel
+    keys) -> a second all_gather -> :meth:`pick` (the tokens). :meth:`run` does them all.
 
     Raises:
         ValueError: an unknown mode; strict mode with more rows than one vLLM verification chunk
             (:func:`max_chunk_rows`) or ranks' ranges with a gap (:func:`shardmax.ops.strict.plan`);
-            a ``launch`` that is not a record kernel of the shard's dtype.
+            a ``launch`` that is not a record kernel of the shard's dtype; ``draw_splits``
+            (programs per request of a two-phase step's draw; default the built-in rule) not in
+            ``[1, 32]``.
     """
 
     op = "sampled"
@@ -563,6 +693,7 @@ class SampledVerifyPlan:
         with_candidates: bool = False,
         processed: bool = False,
         launch: RecordLaunch | None = None,
+        draw_splits: int | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -585,7 +716,20 @@ class SampledVerifyPlan:
                 raise ValueError(
                     f"candidates: expected one of {CANDIDATE_CHOICES}, got {launch.candidates!r}"
                 )
+        if launch.phases not in PHASE_CHOICES or isinstance(launch.phases, bool):
+            raise ValueError(f"phases: expected one of {PHASE_CHOICES}, got {launch.phases!r}")
         self.launch = launch
+        self.two_phase = launch.phases == 2 and not with_candidates
+        if draw_splits is not None and (
+            isinstance(draw_splits, bool)
+            or not isinstance(draw_splits, int)
+            or not 1 <= draw_splits <= MAX_RECORD_SPLITS
+        ):
+            raise ValueError(
+                f"draw_splits: expected an int in [1, {MAX_RECORD_SPLITS}], got {draw_splits!r}"
+            )
+        self.draw_splits = draw_splits
+        self._draws: dict[int, DrawLaunch] = {}
         self.vocab = ctx.geometry.vocab
         self.words = record_words(use_fp64_gumbel) + with_candidates
         s, c = launch.splits, launch.candidates
@@ -622,6 +766,9 @@ class SampledVerifyPlan:
         ws.reserve("sampled.send", 8 * self.n_words)
         for name in ("row.temp", "row.seed", "row.draft", "row.slot"):
             ws.reserve(name, 8 * rows)
+        if self.two_phase:
+            ws.reserve("sampled.draw", 4 * 2 * rows)
+            ws.reserve("sampled.keys", 8 * MAX_RECORD_SPLITS * rows * (1 + self.use_fp64_gumbel))
         if self.with_candidates:
             ws.reserve("sampled.scratch", 8 * s * rows * candidate_capacity(c))
             ws.reserve("sampled.merged", 8 * rows * c)
@@ -686,7 +833,7 @@ class SampledVerifyPlan:
             scratch = self._view("sampled.scratch", (self.launch.splits * rows, cap), torch.int64)
         sampled_records(
             logits, ctx.vocab_start, ctx.num_valid, params, self.launch, self.use_fp64_gumbel,
-            self.with_candidates, buf, scratch,
+            self.with_candidates, buf, scratch, self.two_phase,
         )  # fmt: skip
         if self.strict is not None:
             extra = self.strict.extras_words
@@ -736,7 +883,72 @@ class SampledVerifyPlan:
             gathered, self.ctx.tp * self.launch.splits, self.finish_variant, self.vocab, batch,
             self.use_fp64_gumbel, splits=self.launch.splits, rank_words=self.n_words,
             top_k=top_k, candidates=cand, keep=keep, unsafe=unsafe, lse=lse,
+            draw=self.draw_rows(batch.num_reqs) if self.two_phase else None,
         )  # fmt: skip
+
+    def draw_rows(self, num_reqs: int) -> torch.Tensor:
+        """Two-phase plans: the finish's int32 ``[2 * num_reqs]`` draw buffer (row that draws,
+        ``-1`` none; then its column), a workspace view."""
+        return self._view("sampled.draw", (2 * self.num_logits,), torch.int32)[: 2 * num_reqs]
+
+    def draw_launch(self, num_reqs: int) -> DrawLaunch:
+        """The draw kernel's launch for ``num_reqs`` requests (cached per count)."""
+        got = self._draws.get(num_reqs)
+        if got is None:
+            ctx = self.ctx
+            got = self._draws[num_reqs] = draw_launch(
+                ctx.dtype, num_reqs, ctx.num_valid, ctx.width, ctx.device, self.draw_splits
+            )
+        return got
+
+    def draw(
+        self, local_logits: torch.Tensor, batch: StepBatch, draw: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Phase 2 on this rank (two-phase plans, after :meth:`finish`): int64 ``[1, n]`` Gumbel
+        keys of every request's drawing row over this rank's columns, ``n`` the same on every
+        rank. ``draw``: the finish's draw buffer (default this plan's own, :meth:`draw_rows`).
+        Reads the row parameters :meth:`local` wrote. A workspace view, like :meth:`local`'s."""
+        if not self.two_phase:
+            raise ValueError("draw: this plan runs one pass (launch.phases == 1 or candidates)")
+        logits = self.ctx.check_logits(local_logits, self.num_logits, self.row_stride)
+        return self._draw(logits, batch, draw)
+
+    def _draw(
+        self, local_logits: torch.Tensor, batch: StepBatch, draw: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx, reqs = self.ctx, batch.num_reqs
+        launch = self.draw_launch(reqs)
+        words = launch.splits * reqs * (1 + self.use_fp64_gumbel)
+        keys = self._view(
+            "sampled.keys",
+            (MAX_RECORD_SPLITS * self.num_logits * (1 + self.use_fp64_gumbel),),
+            torch.int64,
+        )[:words]
+        rows = self.num_logits
+        params = RowParams(
+            self._view("row.temp", (rows,), torch.float32),
+            self._view("row.seed", (rows,), torch.int64),
+            self._view("row.draft", (rows,), torch.int64),
+            self._view("row.slot", (rows,), torch.int64),
+            batch.pos,
+        )
+        draw_keys(
+            local_logits, ctx.vocab_start, ctx.num_valid, params,
+            self.draw_rows(reqs) if draw is None else draw, launch, self.use_fp64_gumbel, keys,
+        )  # fmt: skip
+        return keys.view(1, -1)
+
+    def pick(
+        self, gathered: torch.Tensor, res: VerifyResult, draw: torch.Tensor | None = None
+    ) -> VerifyResult:
+        """Every rank, on the gathered ``[tp, n]`` draw keys: the drawn tokens written into
+        ``res.sampled`` (:meth:`finish`'s result, returned)."""
+        reqs = res.num_sampled.shape[0]
+        pick_tokens(
+            gathered.contiguous(), self.draw_rows(reqs) if draw is None else draw,
+            self.draw_launch(reqs).splits, self.use_fp64_gumbel, res.sampled,
+        )  # fmt: skip
+        return res
 
     def run(self, local_logits: torch.Tensor, batch: StepBatch) -> VerifyResult:
         """One step from this rank's shard; identical on every rank. No host sync; CUDA-graph
@@ -746,4 +958,7 @@ class SampledVerifyPlan:
             self.ctx.check_logits(local_logits, self.num_logits, self.row_stride)
             return empty_result(0, batch.num_speculative_steps, self.ctx.device)
         params = self.row_params(batch)
-        return self.finish(self.exchange(self.local(local_logits, batch, params)), batch, params)
+        res = self.finish(self.exchange(self.local(local_logits, batch, params)), batch, params)
+        if self.two_phase:
+            res = self.pick(self.exchange(self._draw(local_logits, batch, None)), res)
+        return res

@@ -28,6 +28,18 @@ TOPK_CANDIDATES = 64
 top-k ``k < C`` run sharded, larger ``k`` come back in ``fallback``. A table row's
 ``launch["candidates"]`` (one of :data:`CANDIDATE_CHOICES`) sets the C of a step; it depends only
 on the step's shape, so a captured CUDA graph never reallocates."""
+PHASE_CHOICES = (1, 2)
+"""A sampled step without candidates runs one pass (1: every row's record carries its Gumbel
+key) or two phases (2: records without noise, then only the one drawing row per request is
+noised); a table row's ``launch["phases"]`` chooses."""
+BUILTIN_PHASES = 2
+"""Phases of the built-in rule (two-phase draws ``K + 1`` times less noise)."""
+DRAW_WARPS = 8
+"""Warps of the two-phase step's draw kernel (``sampled_draw_*``), built-in."""
+DRAW_TARGET_PROGRAMS = 1056
+"""Programs of the draw kernel over a step's drawing requests (about 8 per SM of a 132-SM
+GPU): each element carries a hash and two logs, so the draw wants more programs in flight than
+the memory-bound record pass."""
 CANDIDATE_CHOICES = (32, 64, 128)
 """The C a table row may select (the tuner's ``candidates`` axis)."""
 SPLIT_PIPELINE_MAX_ROWS = 64
@@ -57,8 +69,8 @@ def builtin_launch(
 
     Greedy local stage (ops ``argmax`` / ``verify``): block 4096 (1024 for narrow shards), about
     ``target_programs`` programs, 8 warps (4 at block 1024), all_gather. Op ``sampled``: the record
-    kernel at block :data:`DEFAULT_RECORD_BLOCK`, 4 warps, C = :data:`TOPK_CANDIDATES` and
-    :func:`default_record_splits` programs per row. ``target_programs`` is 1 on a CPU (the
+    kernel at block :data:`DEFAULT_RECORD_BLOCK`, 4 warps, C = :data:`TOPK_CANDIDATES`,
+    :func:`default_record_splits` programs per row and :data:`BUILTIN_PHASES` phases. ``target_programs`` is 1 on a CPU (the
     interpreter runs programs one after another; more splits only cost time).
     """
     if op == "sampled":
@@ -69,6 +81,7 @@ def builtin_launch(
             "num_warps": 4,
             "candidates": TOPK_CANDIDATES,
             "transport": "allgather",
+            "phases": BUILTIN_PHASES,
         }
         return axes, launch
     block = 4096 if width >= 4096 else 1024

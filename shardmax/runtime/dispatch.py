@@ -37,6 +37,7 @@ import triton
 from shardmax.runtime.defaults import (
     CANDIDATE_CHOICES,
     MAX_RECORD_SPLITS,
+    PHASE_CHOICES,
     TARGET_PROGRAMS,
     builtin_launch,
 )
@@ -112,6 +113,12 @@ class Selection:
     def candidates(self) -> int:
         """C of a sampled step's candidate selection (op ``sampled``; 64 when not given)."""
         return int(self.launch.get("candidates", 64))
+
+    @property
+    def phases(self) -> int:
+        """Op ``sampled``: 1 = one-pass record, 2 = two-phase on steps without candidates (1 when
+        not given: a table measured before the two-phase step existed)."""
+        return int(self.launch.get("phases", 1))
 
     def finish_variant(self, op: str, tp: int) -> str:
         return finish_variant(op, tp, self.transport)
@@ -225,7 +232,8 @@ _MATCH_MIN = {"tp": 1, "rows_le": 1, "width_le": 1}
 def validate_launch(launch: dict[str, Any], where: str) -> None:
     """Launch parameters must be usable: splits >= 1, num_warps a power of two in [1, 32],
     num_stages >= 1, transport one of the transports, candidates (when given) one of
-    :data:`shardmax.runtime.defaults.CANDIDATE_CHOICES`. Raises ValueError naming the field."""
+    :data:`shardmax.runtime.defaults.CANDIDATE_CHOICES`, phases (when given) one of
+    :data:`~shardmax.runtime.defaults.PHASE_CHOICES`. Raises ValueError naming the field."""
     splits = launch.get("splits", 1)
     if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
         raise ValueError(f"{where}: splits must be an int >= 1, got {splits!r}")
@@ -238,6 +246,12 @@ def validate_launch(launch: dict[str, Any], where: str) -> None:
     if launch.get("transport", "allgather") not in TRANSPORTS:
         raise ValueError(
             f"{where}: transport must be one of {TRANSPORTS}, got {launch.get('transport')!r}"
+        )
+    if "phases" in launch and (
+        isinstance(launch["phases"], bool) or launch["phases"] not in PHASE_CHOICES
+    ):
+        raise ValueError(
+            f"{where}: phases must be one of {PHASE_CHOICES}, got {launch['phases']!r}"
         )
     if "candidates" in launch:
         c = launch["candidates"]
@@ -350,7 +364,15 @@ _logged: set[tuple[Any, ...]] = set()
 
 
 _override: dict[str, Any] | None = None
-_OVERRIDE_FIELDS = ("variant", "transport", "splits", "num_warps", "num_stages", "candidates")
+_OVERRIDE_FIELDS = (
+    "variant",
+    "transport",
+    "splits",
+    "num_warps",
+    "num_stages",
+    "candidates",
+    "phases",
+)
 
 
 @contextlib.contextmanager
@@ -358,7 +380,8 @@ def override(**fields: Any) -> Iterator[None]:
     """Force parts of every selection inside the block (tests, benchmarks, the tuner).
 
     ``variant`` replaces the variant name (``"plain"`` forces the unsharded path); any other
-    keyword (``transport``, ``splits``, ``num_warps``, ``num_stages``, ``candidates``) replaces
+    keyword (``transport``, ``splits``, ``num_warps``, ``num_stages``, ``candidates``,
+    ``phases``) replaces
     that launch parameter. The override applies to every op's selection, so force a variant of
     one op only inside calls of that op. Forced selections report ``is_tuned=False`` and
     ``source="override"``. Not thread-safe; every rank must enter the same override.

@@ -73,7 +73,9 @@ parity test compares (all ``==``, 0 differences):
 
 Helpers (all element-wise, scalars or blocks):
 
-* :func:`murmur3_x86_32_16` / :func:`gumbel_hash32` -- the hash.
+* :func:`murmur3_x86_32_16` / :func:`gumbel_hash32` -- the hash; :func:`gumbel_hash32_prefix`
+  + :func:`gumbel_hash32_token` -- the same hash split at the token word (kernels hash a row's
+  ``(seed, pos)`` once), :func:`gumbel_fp32_keyed` / :func:`gumbel_fp64_keyed` the noise from it.
 * :func:`uniform_fp32_from_hash`, :func:`gumbel_fp32_from_uniform`, :func:`gumbel_fp32` -- fp32 mode.
 * :func:`uniform_fp64_from_hashes`, :func:`gumbel_fp64_from_uniform`, :func:`gumbel_fp64` -- fp64.
 * :func:`acceptance_log_u` -- ``(u, log u)`` of the acceptance test (``tl.rand`` via
@@ -159,12 +161,36 @@ def gumbel_hash32(seed, pos, token, HASH_SEED: tl.constexpr):
 
     ``seed``/``pos``/``token`` are int64 (scalars or same-shape blocks); returns uint32.
     """
+    return gumbel_hash32_token(gumbel_hash32_prefix(seed, pos, HASH_SEED), token)
+
+
+@triton.jit
+def gumbel_hash32_prefix(seed, pos, HASH_SEED: tl.constexpr):
+    """The MurmurHash3 state after the message's first three words ``(seed low, seed high, pos
+    low)``: the same for every token of a row, so a kernel computes it once per row (a scalar)
+    and finishes each token with :func:`gumbel_hash32_token` -- the same uint32 operations in the
+    same order as :func:`murmur3_x86_32_16`, so the same bits. int64 in, uint32 out."""
     w0 = seed.to(tl.uint32)  # low word (truncation)
     w1 = (seed >> 32).to(tl.uint32)  # high word of the two's-complement int64
     w2 = pos.to(tl.uint32)  # position low word
-    w3 = token.to(tl.uint32)  # global token id as uint32
-    hs = tl.full(w0.shape, HASH_SEED, tl.uint32)
-    return murmur3_x86_32_16(w0, w1, w2, w3, hs)
+    h = tl.full(w0.shape, HASH_SEED, tl.uint32)
+    h = _mix_block(h, w0)
+    h = _mix_block(h, w1)
+    return _mix_block(h, w2)
+
+
+@triton.jit
+def gumbel_hash32_token(h, token):
+    """Finish :func:`gumbel_hash32_prefix`'s state ``h`` (uint32, scalar or block) with the
+    int64 global token id (scalar or block): the last word, the length and fmix32."""
+    h = _mix_block(h, token.to(tl.uint32))  # global token id as uint32
+    h = h ^ tl.full(h.shape, 16, tl.uint32)  # message length in bytes
+    h = h ^ (h >> 16)
+    h = h * tl.full(h.shape, 0x85EBCA6B, tl.uint32)
+    h = h ^ (h >> 13)
+    h = h * tl.full(h.shape, 0xC2B2AE35, tl.uint32)
+    h = h ^ (h >> 16)
+    return h
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,6 +232,13 @@ def gumbel_fp32(seed, pos, token):
     return gumbel_fp32_from_uniform(uniform_fp32_from_hash(gumbel_hash32(seed, pos, token, 0)))
 
 
+@triton.jit
+def gumbel_fp32_keyed(h_lo, token):
+    """:func:`gumbel_fp32` from the row's hash prefix ``h_lo`` (:func:`gumbel_hash32_prefix`
+    with hash seed 0): the same bits, a quarter of the hash work per token."""
+    return gumbel_fp32_from_uniform(uniform_fp32_from_hash(gumbel_hash32_token(h_lo, token)))
+
+
 # --------------------------------------------------------------------------------------------
 # fp64 mode
 # --------------------------------------------------------------------------------------------
@@ -235,6 +268,13 @@ def gumbel_fp64(seed, pos, token):
     h_lo = gumbel_hash32(seed, pos, token, 0)
     h_hi = gumbel_hash32(seed, pos, token, 0x9E3779B9)
     return gumbel_fp64_from_uniform(uniform_fp64_from_hashes(h_lo, h_hi))
+
+
+@triton.jit
+def gumbel_fp64_keyed(h_lo, h_hi, token):
+    """:func:`gumbel_fp64` from the row's two hash prefixes (hash seeds 0 and ``0x9E3779B9``)."""
+    u = uniform_fp64_from_hashes(gumbel_hash32_token(h_lo, token), gumbel_hash32_token(h_hi, token))
+    return gumbel_fp64_from_uniform(u)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ fixed order and are present only when the family has that axis::
     verify_finish_tpn_allgather     target finish, any TP size (runtime loop over ranks)
     sampled_record_bf16_b2048       sampled verification, local stage: shard -> fixed-size records
     sampled_finish_tp4_allgather    sampled verification finish after all_gather(dim=0) of records
+    sampled_draw_bf16_b2048         two-phase sampled step, phase 2: the drawn row's Gumbel keys
+    sampled_pick                    two-phase sampled step: each request's drawn token
     sampled_merge                   candidate steps: merge of the ranks' candidates + nucleus
     row_params                      sampled verification: each logits row's slot, T, seed, draft
     block_stats_fp32_va1            strict mode: vLLM's 8192-block (max, sumexp), vLLM's layout
@@ -35,6 +37,8 @@ FAMILIES = (
     "verify_finish",
     "sampled_record",
     "sampled_finish",
+    "sampled_draw",
+    "sampled_pick",
     "sampled_merge",
     "row_params",
     "block_stats",
@@ -47,7 +51,7 @@ UNROLLED_TP = (2, 4, 8)
 
 _NAME_RE = re.compile(
     r"^(?P<family>shard_keys|argmax_pick|verify_finish|sampled_record|sampled_finish"
-    r"|sampled_merge|row_params|block_stats|strict_rebuild|strict_replay|strict_lse)"
+    r"|sampled_draw|sampled_pick|sampled_merge|row_params|block_stats|strict_rebuild|strict_replay|strict_lse)"
     r"(?:_(?P<dtype>bf16|fp16|fp32))?"
     r"(?:_va(?P<align>\d+))?"
     r"(?:_b(?P<block>\d+))?"
@@ -75,12 +79,12 @@ class VariantKey:
                 raise ValueError(f"shard_keys needs dtype, align and block: {self}")
             if self.tp is not None or self.transport is not None:
                 raise ValueError(f"shard_keys has no tp/transport axis: {self}")
-        elif self.family == "sampled_record":
+        elif self.family in ("sampled_record", "sampled_draw"):
             if self.dtype not in DTYPES or self.block is None or self.align is not None:
-                raise ValueError(f"sampled_record needs dtype and block (no align): {self}")
+                raise ValueError(f"{self.family} needs dtype and block (no align): {self}")
             if self.tp is not None or self.transport is not None:
-                raise ValueError(f"sampled_record has no tp/transport axis: {self}")
-        elif self.family in ("sampled_merge", "row_params", "strict_lse"):
+                raise ValueError(f"{self.family} has no tp/transport axis: {self}")
+        elif self.family in ("sampled_pick", "sampled_merge", "row_params", "strict_lse"):
             if (self.dtype, self.align, self.block, self.tp, self.transport) != (None,) * 5:
                 raise ValueError(f"{self.family} has no axis: {self}")
         elif self.family in ("block_stats", "strict_rebuild"):

@@ -31,6 +31,7 @@ from shardmax.testing.shards import Shard, default_pad_to, shard_like_vllm
 
 __all__ = [
     "EmulatedRank",
+    "RepeatedRank",
     "emulate_greedy_verify",
     "emulate_vocab_parallel_argmax",
     "emulated_exchange",
@@ -58,6 +59,22 @@ class EmulatedRank:
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("EmulatedRank: the emulator exchanges the bytes, not the plan")
+
+
+class RepeatedRank:
+    """A rank-0 stand-in group for single-GPU timing: every collective returns what ``tp``
+    ranks would if the other ranks' bytes were rank 0's (``all_gather`` tiles, ``all_reduce``
+    is the identity). Results are meaningless tokens of a real step; the work and the bytes
+    moved per rank are the real ones."""
+
+    def __init__(self, tp: int) -> None:
+        self.world_size, self.rank = tp, 0
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+        return t.repeat(self.world_size, 1)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 def emulated_ranks(

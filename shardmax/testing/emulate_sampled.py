@@ -22,6 +22,7 @@ from shardmax.ops.sampled import (
     record_variant,
     resolve_chunk_gate,
 )
+from shardmax.runtime.defaults import BUILTIN_PHASES
 from shardmax.runtime.dispatch import Selection
 from shardmax.runtime.validation import (
     SUPPORTED_DTYPES,
@@ -61,6 +62,8 @@ def emulate_verify(
     candidates: int = TOPK_CANDIDATES,
     num_warps: int = 4,
     selection: Selection | None = None,
+    phases: int = BUILTIN_PHASES,
+    draw_splits: int | None = None,
 ) -> VerifyResult:
     """``sharded_verify`` of ``tp_size`` emulated ranks over ``full_logits [num_logits, V]``.
 
@@ -68,8 +71,11 @@ def emulate_verify(
     validated as the public op validates it, against the full vocabulary). The record launch is
     this function's, not the dispatcher's: ``record_block`` (default the built-in 2048),
     ``record_splits`` (1..32 programs per row and rank), ``candidates`` (C, one of
-    :data:`shardmax.runtime.defaults.CANDIDATE_CHOICES`) and ``num_warps``; or ``selection``, a
-    ``sampled`` :class:`shardmax.runtime.dispatch.Selection` (the tuner's), which sets all four.
+    :data:`shardmax.runtime.defaults.CANDIDATE_CHOICES`), ``num_warps`` and ``phases`` (1 | 2,
+    steps without candidates; default the built-in rule's); or ``selection``, a ``sampled``
+    :class:`shardmax.runtime.dispatch.Selection` (the tuner's), which sets all five. A two-phase
+    step runs every rank's draw stage on rank 0's draw rows and a second emulated exchange;
+    ``draw_splits`` fixes its programs per request (default the built-in rule: 1 on a CPU).
     The finish variant follows ``tp_size * record_splits`` (``2/4/8`` unrolled, ``n``
     otherwise).
 
@@ -92,7 +98,7 @@ def emulate_verify(
             from shardmax.runtime.kernels import load
 
             load(variant)  # a block that was never generated: ValueError naming it
-        launch = RecordLaunch(variant, record_splits, num_warps, candidates, "emulator")
+        launch = RecordLaunch(variant, record_splits, num_warps, candidates, "emulator", phases)
     batch = check_step_batch(
         full_logits.shape[0], full_logits.device, draft_sampled, cu_num_logits, pos,
         idx_mapping, expanded_local_pos, seed, num_speculative_steps,
@@ -120,10 +126,16 @@ def emulate_verify(
             with_candidates=with_candidates,
             processed=processed,
             launch=launch,
+            draw_splits=draw_splits,
         )
         for c, s in zip(ctxs, shards, strict=True)
     ]
     if batch.num_reqs == 0:
         return plans[0].run(shards[0].local_logits, batch)
     sent = [p.local(s.local_logits, batch) for p, s in zip(plans, shards, strict=True)]
-    return plans[0].finish(emulated_exchange(sent), batch)
+    res = plans[0].finish(emulated_exchange(sent), batch)
+    if not plans[0].two_phase:
+        return res
+    draw = plans[0].draw_rows(batch.num_reqs)
+    keys = [p.draw(s.local_logits, batch, draw) for p, s in zip(plans, shards, strict=True)]
+    return plans[0].pick(emulated_exchange(keys), res)

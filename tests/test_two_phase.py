@@ -1,0 +1,245 @@
+"""Two-phase sampled verification (issue 22): records without noise, one drawing row per request.
+
+A two-phase step must give exactly what the one-pass step gives -- every output, flags and
+reasons included, bit for bit -- and, on every request it does not flag, exactly the plain-torch
+reference (:func:`shardmax.reference.sampled.verify_sampled`). Covered here: TP 1/2/3/4/8, the
+three logits dtypes, fp32 / fp64 Gumbel, fast / strict mode, several record and draw programs per
+row (the last split short or empty), placeholders, chunked prefill, synthetic acceptance, NaN and
+all ``-inf`` rows, a Gumbel-key tie planted across a shard edge, empty and all-greedy batches,
+and the errors of the stage API.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardmax.ops.sampled import FallbackReason, RecordLaunch, SampledVerifyPlan, record_variant
+from shardmax.reference.sampled import verify_sampled
+from shardmax.runtime import dispatch
+from shardmax.runtime.gumbel import gumbel_noise_triton
+from shardmax.runtime.validation import check_step_batch
+from shardmax.testing import emulate_verify, random_verify_batch
+from shardmax.testing.emulate import emulated_ranks
+
+TEMPS = (0.5, 0.7, 1.0, 1.3, 0.0)
+
+
+def _batch(reqs: int, k: int, vocab: int, seed: int, dtype=torch.float32, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(reqs * (k + 1), vocab, generator=gen) * 3.0).to(dtype)
+    batch = random_verify_batch(reqs, k, vocab, seed=seed, logits=logits, **kw)
+    temps = torch.tensor(TEMPS)[torch.randint(0, len(TEMPS), (batch.max_num_reqs,), generator=gen)]
+    return batch, temps
+
+
+def _both(batch, temps, tp: int, **kw):
+    a = batch.args()
+    kw = dict(batch.kwargs(), **kw)
+    one = emulate_verify(batch.logits, tp, *a[:5], temps, *a[5:], phases=1, **kw)
+    two = emulate_verify(batch.logits, tp, *a[:5], temps, *a[5:], phases=2, **kw)
+    kw.pop("record_splits", None), kw.pop("draw_splits", None), kw.pop("mode", None)
+    want = verify_sampled(batch.logits, *a[:5], temps, *a[5:], **kw)
+    return one, two, want
+
+
+def _assert_same(one, two, want) -> None:
+    for name, a, b in zip(one._fields, one, two, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: one-pass {a} two-phase {b}"
+    ok = ~two.fallback
+    for a, w in zip(two[:3], want, strict=True):
+        assert torch.equal(a[ok], w[ok])
+
+
+CASES = [
+    # tp, dtype, fp64, mode, record splits, draw splits, batch options
+    (1, torch.float32, False, "fast", 1, 1, {}),
+    (2, torch.bfloat16, True, "fast", 2, 3, {"placeholder_prob": 0.3}),
+    (3, torch.float16, False, "strict", 1, 2, {"prefill_prob": 0.3}),
+    (4, torch.float32, True, "strict", 3, 1, {"synthetic": True}),
+    (8, torch.bfloat16, False, "fast", 1, 4, {"prefill_prob": 0.2, "placeholder_prob": 0.2}),
+    (2, torch.float32, False, "strict", 2, 2, {"accept_prob": 0.9}),
+]
+
+
+@pytest.mark.parametrize(("tp", "dtype", "fp64", "mode", "splits", "draws", "opts"), CASES)
+def test_two_phase_equals_one_pass_and_reference(tp, dtype, fp64, mode, splits, draws, opts):
+    batch, temps = _batch(7, 3, 2011 + 97 * tp, seed=tp * 13 + splits, dtype=dtype, **opts)
+    one, two, want = _both(
+        batch, temps, tp, use_fp64_gumbel=fp64, mode=mode, record_splits=splits, draw_splits=draws
+    )
+    _assert_same(one, two, want)
+
+
+def test_non_finite_rows_flag_the_same_requests() -> None:
+    batch, temps = _batch(6, 3, 3001, seed=5, placeholder_prob=0.2)
+    temps[:] = 1.0
+    first = batch.cu_num_logits.long()  # every request's first row is always used
+    batch.logits[first[1], :] = -math.inf  # no finite logit: NON_FINITE
+    batch.logits[first[3], 1700] = math.nan
+    batch.logits[first[4], 10] = math.inf
+    one, two, want = _both(batch, temps, 3, record_splits=2, draw_splits=2)
+    _assert_same(one, two, want)
+    assert int((two.reason == FallbackReason.NON_FINITE).sum()) == 3
+
+
+def test_planted_gumbel_tie_across_a_shard_edge_takes_the_lowest_id() -> None:
+    """Two tokens on two ranks (and two draw splits) whose noised fp32 values are equal: the
+    drawn token is the lower id, in both pipelines, as vLLM's argmax over the full row. (fp64
+    Gumbel keys cannot tie from fp32 logits but by a 2**-29 chance.)"""
+    fp64 = False
+    vocab, tp = 4096, 2
+    batch, temps = _batch(1, 1, vocab, seed=3, prefill_prob=0.0)
+    temps[:] = 1.0
+    batch.draft_sampled[:] = 5  # x[5] = -inf below: the draft is rejected, row 0 draws
+    seed, pos = int(batch.seed[int(batch.idx_mapping[0])]), int(batch.pos[0])
+    ids = torch.arange(vocab, dtype=torch.int64)
+    g = gumbel_noise_triton(seed, pos, ids, fp64=fp64)
+    a = 2000  # rank 0 holds [0, 2048): a is below the edge, b above it
+    hits = []
+    for b in range(2048, vocab):
+        # x_b = G_a - G_b in the noise's precision, from the fp32 logits the kernel reads
+        xb = torch.tensor(float(g[a] - g[b]), dtype=torch.float32)
+        lhs = xb.to(g.dtype) + g[b] if fp64 else xb + g[b]
+        if bool(lhs == g[a]):
+            hits.append((b, xb))
+            break
+    assert hits, "no exact tie found to plant"
+    b, xb = hits[0]
+    batch.logits.fill_(-30.0)
+    batch.logits[:, a], batch.logits[:, b], batch.logits[:, 5] = 0.0, xb, -math.inf
+    one, two, want = _both(batch, temps, tp, use_fp64_gumbel=fp64, draw_splits=2)
+    _assert_same(one, two, want)
+    assert int(two.sampled[0, 0]) == a == int(want[0][0, 0])
+
+
+def test_empty_and_greedy_only_batches() -> None:
+    batch, temps = _batch(0, 3, 1000, seed=1)
+    one, two, _ = _both(batch, temps, 2)
+    assert two.sampled.shape == (0, 4) and one.sampled.shape == (0, 4)
+    batch, temps = _batch(5, 3, 1500, seed=2)
+    temps[:] = 0.0
+    one, two, want = _both(batch, temps, 2, draw_splits=2)
+    _assert_same(one, two, want)
+    assert not bool(two.fallback.any())
+
+
+def _plan(phases: int, rows: int = 4, **kw) -> SampledVerifyPlan:
+    logits = torch.randn(rows, 300)
+    _, ctxs = emulated_ranks(logits, 1, None)
+    launch = RecordLaunch(record_variant(torch.float32), 1, 4, 64, "test", phases)
+    return SampledVerifyPlan(ctxs[0], rows, 300, launch=launch, **kw)
+
+
+def test_stage_api_errors() -> None:
+    assert _plan(2).two_phase and not _plan(1).two_phase
+    assert not _plan(2, with_candidates=True).two_phase  # candidate steps run one pass
+    batch = random_verify_batch(2, 3, 300, seed=0)
+    rows = batch.num_logits
+    temps = torch.ones(batch.max_num_reqs)
+    step = check_step_batch(rows, batch.logits.device, *batch.args(), temperature=temps)
+    with pytest.raises(ValueError, match="one pass"):
+        _plan(1, rows).draw(batch.logits, step)
+    for bad in (0, 33, True, 2.0):
+        with pytest.raises(ValueError, match="draw_splits"):
+            _plan(2, draw_splits=bad)
+    with pytest.raises(ValueError, match="phases"):
+        _plan(3)
+    with pytest.raises(ValueError, match="phases"):
+        dispatch.validate_launch({"phases": 0}, "row")
+    with dispatch.override(phases=1):
+        sel = dispatch.select(dispatch.Problem("sampled", "fp32", 1, 4, 300))
+        assert sel.phases == 1 and RecordLaunch.of(sel).phases == 1
+    assert dispatch.select(dispatch.Problem("sampled", "fp32", 1, 4, 300)).phases == 2
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (H200): vLLM's own kernels as the oracle, realistic temperature traffic
+# --------------------------------------------------------------------------------------------
+
+_GPU_CASES = [(8, 151936, 2), (8, 200064, 8), (40, 151936, 4), (40, 200064, 2), (128, 200064, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _GPU_CASES, ids=[f"{r}req-V{v}-tp{t}" for r, v, t in _GPU_CASES])
+def test_two_phase_equals_vllm_on_gpu(case) -> None:
+    """Realistic T=1 steps (LM entropy profile, drafts the top token 80 % of the time), emulated
+    TP, the GPU's draw launch: two-phase == one-pass bit for bit, each call twice bit-identical,
+    and every request shardmax does not flag == every carried vLLM version's own chain
+    (``rejection_sample`` on the full logits), fast and strict mode."""
+    from shardmax.testing.traffic import realistic_batch
+    from shardmax.testing.vllm_chain import NativeChain, verify_inputs
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    chains = NativeChain.discover()
+    num_reqs, vocab, tp = case
+    total = differ = flagged = 0
+    for seed in range(4):
+        b = realistic_batch(num_reqs, 3, vocab, seed=seed, mix="temperature", device="cuda")
+        args = (b.draft_sampled, b.cu_num_logits, b.pos, b.idx_mapping, b.expanded_local_pos,
+                b.temperature, b.seed, 3)  # fmt: skip
+        kw = {"seq_lens": b.seq_lens, "prefill_len": b.prefill_len}
+        for mode in ("fast", "strict"):
+            runs = [
+                emulate_verify(b.logits, tp, *args, mode=mode, phases=p, record_splits=s, **kw)
+                for p in (1, 2, 2)
+                for s in (2,)
+            ]
+            for name, a, c in zip(runs[1]._fields, runs[1], runs[2], strict=True):
+                assert torch.equal(a, c), f"two-phase not deterministic: {name}"
+            _assert_same(runs[0], runs[1], (runs[1].sampled, runs[1].num_sampled,
+                                            runs[1].num_rejected))  # fmt: skip
+            ok = ~runs[1].fallback
+            flagged += int((~ok).sum())
+            for chain in chains:
+                whole = chain.verify(b.logits, **verify_inputs(b))
+                n = whole[1].long()
+                used = torch.arange(4, device="cuda")[None, :] < n[:, None]
+                bad = ((runs[1].sampled != whole[0]) & used).any(dim=1)
+                bad |= runs[1].num_sampled.long() != n
+                differ += int((bad & ok).sum())
+                total += int(ok.sum())
+    print(f"[two-phase gpu] {case}: {differ} of {total} unflagged request checks differ from "
+          f"vLLM ({[c.version for c in chains]}), {flagged} flagged")  # fmt: skip
+    assert differ == 0
+
+
+def test_phases_from_a_measured_benchmark(tmp_path) -> None:
+    """tuner/phases.py: a row takes two-phase where it was faster at its bucket's measured row
+    count; a TP that was not measured takes TP 1's answer; the catch-all the largest count."""
+    import csv as csv_mod
+
+    from tuner.phases import apply_phases, measured_phases
+
+    path = tmp_path / "sampled_local.csv"
+    with path.open("w", newline="") as f:
+        w = csv_mod.DictWriter(f, fieldnames=["tp", "rows", "method", "kernel", "p50_us"])
+        w.writeheader()
+        for tp, rows, one, two in ((2, 4, 10.0, 12.0), (2, 96, 50.0, 30.0), (1, 4, 9.0, 8.0),
+                                   (1, 512, 300.0, 100.0)):  # fmt: skip
+            w.writerow({"tp": tp, "rows": rows, "method": "one_pass", "kernel": "", "p50_us": one})
+            w.writerow({"tp": tp, "rows": rows, "method": "two_phase", "kernel": "", "p50_us": two})
+            w.writerow({"tp": tp, "rows": rows, "method": "two_phase", "kernel": "k", "p50_us": 1})
+    measured = measured_phases(path)
+    assert measured[(2, 4)][0] == 1 and measured[(2, 96)][0] == 2
+    launch = {"splits": 1, "num_warps": 4, "candidates": 64, "transport": "allgather"}
+    table = {"op": "sampled", "provenance": {}, "rows": [
+        {"match": {"tp": 2, "rows_le": 1}, "launch": dict(launch)},
+        {"match": {"tp": 2, "rows_le": 64}, "launch": dict(launch)},
+        {"match": {"tp": 2, "rows_le": 256}, "launch": dict(launch)},
+        {"match": {"tp": 8, "rows_le": 4}, "launch": dict(launch)},
+        {"match": {}, "launch": dict(launch)},
+    ]}  # fmt: skip
+    out = apply_phases(table, measured, "x.csv")
+    assert [r["launch"]["phases"] for r in out["rows"]] == [1, 1, 2, 2, 2]
+    assert out["provenance"]["phases"]["source"] == "x.csv"
+    with pytest.raises(ValueError, match="sampled"):
+        apply_phases({"op": "verify", "rows": []}, measured, "x.csv")
+
+
+def test_sm90_table_carries_the_measured_choice() -> None:
+    sel = dispatch.select(dispatch.Problem("sampled", "bf16", 2, 96, 100032, 16, arch="sm90"))
+    assert sel.phases == 2 and sel.is_tuned
