@@ -75,9 +75,8 @@ def to_f32(x):
 def load_block(row_ptr, start, c1, BLOCK: tl.constexpr):
     """Columns ``[start, start + BLOCK)`` of one row as exact fp32, ``-inf`` at and past ``c1``.
     ``start`` must be a multiple of 16 (every split starts at a multiple of the block): a full
-    block is loaded unmasked from a 16-aligned column, so the loads vectorise whenever the row
-    stride is a multiple of 16 elements (Triton specialises the stride on that); only the tail
-    block is masked."""
+    block is loaded unmasked from a 16-aligned column (vector loads where the row pointer is known
+    to be aligned), only the tail block is masked."""
     lanes = tl.arange(0, BLOCK)
     if start + BLOCK <= c1:
         raw = to_f32(tl.load(row_ptr + tl.multiple_of(start, 16) + lanes))
