@@ -786,18 +786,31 @@ class SampledVerifyPlan:
             v = self._views[name] = ws.view(name, shape, dtype)
         return v
 
+    def _row_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The workspace's per-row ``(temperature, seed, draft, slot)`` that ``row_params``
+        writes and the record and draw kernels read."""
+        rows = self.num_logits
+        return (
+            self._view("row.temp", (rows,), torch.float32),
+            self._view("row.seed", (rows,), torch.int64),
+            self._view("row.draft", (rows,), torch.int64),
+            self._view("row.slot", (rows,), torch.int64),
+        )
+
+    def _sliced(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, n: int
+    ) -> torch.Tensor:
+        """The first ``n`` elements of a flat workspace view, cached per ``n`` like the view."""
+        key = f"{name}[:{n}]"
+        full = self._view(name, shape, dtype)  # clears the cache when the workspace grew
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = full[:n]
+        return v
+
     def row_params(self, batch: StepBatch) -> RowParams:
         """The ``row_params`` launch into the workspace."""
-        rows = self.num_logits
-        return row_params(
-            batch,
-            (
-                self._view("row.temp", (rows,), torch.float32),
-                self._view("row.seed", (rows,), torch.int64),
-                self._view("row.draft", (rows,), torch.int64),
-                self._view("row.slot", (rows,), torch.int64),
-            ),
-        )
+        return row_params(batch, self._row_buffers())
 
     def _check_batch(self, batch: StepBatch) -> None:
         if batch.num_logits != self.num_logits:
@@ -889,7 +902,7 @@ class SampledVerifyPlan:
     def draw_rows(self, num_reqs: int) -> torch.Tensor:
         """Two-phase plans: the finish's int32 ``[2 * num_reqs]`` draw buffer (row that draws,
         ``-1`` none; then its column), a workspace view."""
-        return self._view("sampled.draw", (2 * self.num_logits,), torch.int32)[: 2 * num_reqs]
+        return self._sliced("sampled.draw", (2 * self.num_logits,), torch.int32, 2 * num_reqs)
 
     def draw_launch(self, num_reqs: int) -> DrawLaunch:
         """The draw kernel's launch for ``num_reqs`` requests (cached per count)."""
@@ -918,20 +931,12 @@ class SampledVerifyPlan:
     ) -> torch.Tensor:
         ctx, reqs = self.ctx, batch.num_reqs
         launch = self.draw_launch(reqs)
-        words = launch.splits * reqs * (1 + self.use_fp64_gumbel)
-        keys = self._view(
-            "sampled.keys",
-            (MAX_RECORD_SPLITS * self.num_logits * (1 + self.use_fp64_gumbel),),
-            torch.int64,
-        )[:words]
-        rows = self.num_logits
-        params = RowParams(
-            self._view("row.temp", (rows,), torch.float32),
-            self._view("row.seed", (rows,), torch.int64),
-            self._view("row.draft", (rows,), torch.int64),
-            self._view("row.slot", (rows,), torch.int64),
-            batch.pos,
-        )
+        ms = 1 + self.use_fp64_gumbel
+        keys = self._sliced(
+            "sampled.keys", (MAX_RECORD_SPLITS * self.num_logits * ms,), torch.int64,
+            launch.splits * reqs * ms,
+        )  # fmt: skip
+        params = RowParams(*self._row_buffers(), batch.pos)
         draw_keys(
             local_logits, ctx.vocab_start, ctx.num_valid, params,
             self.draw_rows(reqs) if draw is None else draw, launch, self.use_fp64_gumbel, keys,
