@@ -5,7 +5,8 @@ python -m generator --check         exit 1 if generated/ is stale (renders in me
 python -m generator --arch all      also compile every variant for sm90 and gfx950 and
                                     write generated/<arch>/resources.json
 python -m generator --check --arch all   CI: stale check + compile check (the committed
-                                    resources.json == a fresh compile by the same Triton)
+                                    resources.json == a fresh compile by the same Triton, and no
+                                    new register spill in a variant a table can select)
 
 The same command is `shardmax-generate` (console script) or `python -m shardmax.generator`
 from any directory once shardmax is installed; `python -m generator` works from the
@@ -26,6 +27,7 @@ from .aot import compile_all
 from .console import prog_name, progress
 from .render import generated_dir, render_all, stale_files, write_all
 from .space import ARCHES
+from .spills import spill_report
 
 
 def stale_resources(out: Path, variants: list[str]) -> list[str]:
@@ -135,6 +137,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{rec['triton_version']}; spilling: {spilling or 'none'}"
             )
             path = out / arch / "resources.json"
+            new, gone = spill_report(out, arch, rec)
+            if gone:
+                print(f"{arch}: no longer spilling (drop from generator/spills.py KNOWN_SPILLS): "
+                      f"{gone}")  # fmt: skip
+            if new:
+                print(f"{arch}: new register spills in variants a table can select: {new}\n"
+                      "fix the template or the table (or list it, with the reason, in "
+                      "generator/spills.py KNOWN_SPILLS)", file=sys.stderr)  # fmt: skip
+                stale_report = stale_report or args.check
             if args.check:
                 committed = json.loads(path.read_text()) if path.exists() else {}
                 drift = resource_drift(committed, rec)

@@ -79,3 +79,28 @@ def test_resource_drift_compares_reports_of_one_triton_version() -> None:
     assert resource_drift(old, new) == ["k: registers 46 -> 44"]
     assert resource_drift(old, old) == []
     assert resource_drift(old, {**new, "triton_version": "3.10.0"}) == []  # another compiler
+
+
+def test_spill_report_names_new_spills_of_selectable_variants(tmp_path) -> None:
+    """A spill counts only in a variant the arch's tables (or the runtime) can launch, and only
+    when generator/spills.py does not list it; known entries that stopped spilling are named."""
+    import json
+
+    from generator.spills import KNOWN_SPILLS, spill_report
+
+    (tmp_path / "sm90").mkdir()
+    row = {"match": {}, "variant": "sampled_record_bf16_b2048", "launch": {}}
+    (tmp_path / "sm90" / "sampled.json").write_text(json.dumps({"rows": [row]}))
+    rec = {"variants": {
+        "sampled_record_fp32_b2048": {"spill_bytes": 8},  # a table row's block, adapted dtype
+        "sampled_record_bf16_b4096": {"spill_bytes": 2260},  # no row selects b4096
+        "sampled_finish_tp2_allgather": {"spill_bytes": 4},  # finishes: always selectable
+        "shard_keys_bf16_va1_b8192": {"spill_bytes": 12},  # no table: not selectable
+    }}  # fmt: skip
+    new, gone = spill_report(tmp_path, "sm90", rec)
+    assert new == ["sampled_finish_tp2_allgather: 4 bytes", "sampled_record_fp32_b2048: 8 bytes"]
+    assert gone == []
+    known = next(iter(KNOWN_SPILLS["gfx950"]))
+    (tmp_path / "gfx950").mkdir()
+    new, gone = spill_report(tmp_path, "gfx950", {"variants": {known: {"spill_bytes": 0}}})
+    assert new == [] and gone == [known]

@@ -1,0 +1,72 @@
+"""Register spills of the variants a GPU's tables can select (issue 22: AMD readiness).
+
+The AOT report (``generated/<arch>/resources.json``) lists every variant's spill bytes; a spill
+matters where the runtime can launch the variant on that arch. :func:`selectable` is that set:
+every local-stage variant a row of the arch's tables names, adapted to every dtype (and, for the
+greedy local stage, both alignments) as the dispatcher adapts it, the two-phase draw kernel at
+its built-in block, and every finish / merge / strict kernel (the runtime picks those by TP and
+mode, never by table). ``generator --check --arch ...`` fails on a spill in that set that
+:data:`KNOWN_SPILLS` does not list -- a new one -- and says which known ones went away.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from shardmax.runtime.defaults import DEFAULT_RECORD_BLOCK
+from shardmax.runtime.variants import DTYPES, VariantKey, parse_name
+
+TABLE_OPS = ("argmax", "verify", "sampled")
+LOCAL_FAMILIES = ("shard_keys", "sampled_record", "sampled_draw")
+
+_GFX950_RECORD = (
+    "untuned gfx950 table (portable b2048 row): the record kernel's per-lane state does not fit "
+    "in registers at 64 lanes per wavefront; tracked by issue 22 (no sampled variant may spill)"
+)
+_GFX950_FINISH = "sampled_finish unrolled over 2/4/8 ranks x splits; tracked by issue 22"
+KNOWN_SPILLS: dict[str, dict[str, str]] = {
+    "sm90": {},
+    "gfx950": {
+        **{f"sampled_record_{d}_b2048": _GFX950_RECORD for d in DTYPES},
+        **{f"sampled_finish_tp{t}_allgather": _GFX950_FINISH for t in (2, 4, 8)},
+    },
+}
+"""Spills of selectable variants that are known and accepted for now, per arch, with why."""
+
+
+def selectable(out: Path, arch: str, variants: list[str]) -> set[str]:
+    """The variants (of ``variants``) the runtime can launch on ``arch`` given the tables in
+    ``out/<arch>/`` (see the module docstring)."""
+    chosen: set[str] = set()
+    for op in TABLE_OPS:
+        path = out / arch / f"{op}.json"
+        if not path.exists():
+            continue
+        for row in json.loads(path.read_text())["rows"]:
+            name = row.get("variant")
+            if not isinstance(name, str) or name == "plain":
+                continue
+            key = parse_name(name)
+            aligns = (1, 16) if key.family == "shard_keys" else (None,)
+            for d in DTYPES:
+                for a in aligns:
+                    chosen.add(VariantKey(key.family, dtype=d, align=a, block=key.block).name)
+    for d in DTYPES:
+        chosen.add(VariantKey("sampled_draw", dtype=d, block=DEFAULT_RECORD_BLOCK).name)
+    for name in variants:
+        if parse_name(name).family not in LOCAL_FAMILIES:
+            chosen.add(name)
+    return chosen & set(variants)
+
+
+def spill_report(out: Path, arch: str, record: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """``(new, gone)``: selectable variants of a fresh AOT ``record`` that spill and are not in
+    :data:`KNOWN_SPILLS` (``"name: N bytes"``), and known entries that no longer spill."""
+    per = record["variants"]
+    known = KNOWN_SPILLS.get(arch, {})
+    spilling = {n for n in selectable(out, arch, list(per)) if per[n]["spill_bytes"] > 0}
+    new = [f"{n}: {per[n]['spill_bytes']} bytes" for n in sorted(spilling - set(known))]
+    gone = sorted(n for n in known if n in per and per[n]["spill_bytes"] == 0)
+    return new, gone
