@@ -16,8 +16,15 @@ profile, drafts the top token 80 % of the time, no top-k / top-p; V = 200064 bf1
                   request, a second small exchange
 ``one_pass_strict`` / ``two_phase_strict``   strict mode (vLLM's LSE bits)
 ``two_phase_d<N>`` two-phase with N draw programs per request (``--draw-sweep``; graph time
-                  only): the measurement behind the draw kernel's built-in program count
+                  only, outputs compared with ``two_phase``'s): the measurement behind the draw
+                  kernel's built-in program count
+``two_phase_p1_b<B>_s<S>_w<W>``  two-phase with phase 1 (the noise-free record pass) at block
+                  B, S programs per row, W warps (``--phase1-sweep``; graph time only, every
+                  call's outputs compared with ``two_phase``'s): what ``python -m tuner
+                  --phases-from`` writes into the tables as ``launch["phase1"]``
 ``greedy``        ``sharded_greedy_verify``'s plan on the same shard (temperature 0)
+``greedy_rows``   ``sharded_verify``'s plan (the table's launch) on the same batch with every
+                  request greedy (temperature 0): what a sampled step costs on greedy traffic
 
 Per method: CUDA-graph replay us per call (p20/p50/p80, L2-warm), eager host us per call (mean
 over ``--eager`` calls, each started on an idle GPU) and the HBM floor of the shard (its bytes read
@@ -49,7 +56,7 @@ FIELDS = [
     "host_us", "floor_us", "correct", "note",
 ]  # fmt: skip
 METHODS = ("vllm_full", "vllm_cols", "one_pass", "two_phase", "one_pass_strict",
-           "two_phase_strict", "greedy")  # fmt: skip
+           "two_phase_strict", "greedy", "greedy_rows")  # fmt: skip
 K = 3
 
 
@@ -93,6 +100,13 @@ def _same(a: Any, b: Any) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def _agree(a: Any, b: Any) -> bool:
+    """Tokens and counts equal on every request neither result flagged."""
+    both = ~a.fallback & ~b.fallback
+    rows = (a.sampled == b.sampled).all(dim=1) & (a.num_sampled == b.num_sampled)
+    return bool((rows & (a.num_rejected == b.num_rejected) | ~both).all())
+
+
 def _differ(ours: Any, theirs: Any) -> int:
     import torch
 
@@ -108,7 +122,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from benchmarks import timing
     from shardmax.ops.greedy import GreedyVerifyPlan
-    from shardmax.ops.sampled import SampledVerifyPlan
+    from shardmax.ops.sampled import RecordLaunch, SampledVerifyPlan, record_variant
     from shardmax.runtime import dispatch
     from shardmax.runtime.geometry import Geometry
     from shardmax.runtime.shard import ShardContext
@@ -161,11 +175,30 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 with dispatch.override(phases=2):
                     plan = SampledVerifyPlan(ctx, local.shape[0], local.stride(0), draw_splits=d)
                 paths[f"two_phase_d{d}"] = functools.partial(plan.run, local, batch)
+            for blk, sp, w in _phase1_grid(args.phase1_sweep, width):
+                launch = RecordLaunch(record_variant(local.dtype, blk), sp, w, 64, "sweep", 2)
+                plan = SampledVerifyPlan(ctx, local.shape[0], local.stride(0), launch=launch)
+                paths[f"two_phase_p1_b{blk}_s{sp}_w{w}"] = functools.partial(plan.run, local, batch)
             gplan = GreedyVerifyPlan(ctx, local.shape[0], local.stride(0))
             paths["greedy"] = functools.partial(gplan.run, local, greedy_batch)
+            zero_batch = check_step_batch(
+                local.shape[0], local.device, *b.sampled_args()[:5], b.seed, K,
+                temperature=torch.zeros_like(b.temperature),
+            )  # fmt: skip
+            zplan = SampledVerifyPlan(ctx, local.shape[0], local.stride(0))
+            paths["greedy_rows"] = functools.partial(zplan.run, local, zero_batch)
             for name, step in paths.items():
                 row = dict(common, method=name, kernel="", correct="", note="")
                 first, again = step(), step()
+                if name.startswith(("two_phase_p1_", "two_phase_d")):
+                    # the interval test's flags may move with the splits (fp32 partial sums):
+                    # tokens and counts must agree wherever neither run flagged the request
+                    same = _same(first, again) and _agree(first, results["two_phase"])
+                    row["note"] = (
+                        f"agrees with two_phase ({int(first.fallback.sum())} flagged)"
+                        if same
+                        else "DIFFERS"
+                    )
                 if name in ("one_pass", "two_phase", "one_pass_strict", "two_phase_strict"):
                     row["note"] = "deterministic" if _same(first, again) else "NONDETERMINISTIC"
                     results[name] = first
@@ -177,7 +210,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row.update(
                     p20_us=round(st.p20, 2), p50_us=round(st.p50, 2), p80_us=round(st.p80, 2)
                 )
-                if not name.startswith("two_phase_d"):  # the draw-split sweep: graph time only
+                if not name.startswith(("two_phase_d", "two_phase_p1_")):  # sweeps: graph only
                     row["host_us"] = round(_host_us(step, args.eager), 1)
                 out.append(row)
                 print(row, flush=True)
@@ -188,6 +221,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 print(f"!! tp={tp} rows={rows}: one_pass != two_phase", flush=True)
                 out[-1]["note"] = "ONE_PASS_DIFFERS"
     return out
+
+
+def _phase1_grid(spec: str, width: int) -> list[tuple[int, int, int]]:
+    """``BLOCKS:SPLITS:WARPS`` (comma lists) -> the (block, splits, warps) to time; splits
+    past one block per program at this width are left out."""
+    if not spec:
+        return []
+    blocks, splits, warps = ([int(x) for x in part.split(",") if x] for part in spec.split(":"))
+    return [(b, s, w) for b in blocks for s in splits if s <= max(1, -(-width // b)) for w in warps]
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -210,8 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument(
         "--draw-sweep",
-        default="4,8,16,32",
+        default="4,8,16,32,64,128",
         help="also time two-phase with these draw programs per request (graph only)",
+    )
+    ap.add_argument(
+        "--phase1-sweep",
+        default="",
+        metavar="BLOCKS:SPLITS:WARPS",
+        help="also time two-phase with these phase-1 launches, e.g. 1024,2048:4,8,16:4,8 "
+        "(graph only; off by default)",
     )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, metavar="CSV")

@@ -10,7 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-SHOWN = ("vllm_cols", "one_pass", "two_phase", "one_pass_strict", "two_phase_strict", "greedy")
+SHOWN = ("vllm_cols", "one_pass", "two_phase", "one_pass_strict", "two_phase_strict", "greedy",
+         "greedy_rows")  # fmt: skip
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -24,6 +25,10 @@ def _p50(rows: list[dict[str, Any]]) -> dict[tuple[int, int, str], float]:
         if not r["kernel"] and r["p50_us"]:
             out[(int(r["tp"]), int(r["rows"]), r["method"])] = float(r["p50_us"])
     return out
+
+
+SWEEP_PREFIX = "two_phase_p1_"
+DRAW_PREFIX = "two_phase_d"
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
@@ -54,14 +59,62 @@ def summary(rows: list[dict[str, Any]]) -> str:
             gain = p[(tp, n, "one_pass")] / p[(tp, n, "two_phase")]
             out.append(f"| {n} | " + " | ".join(cells) + f" | {ratio:.2f} | {gain:.2f} |")
         out.append("")
+    sweep: dict[tuple[int, int], list[tuple[float, str, str]]] = defaultdict(list)
+    for (tp, n, m), (_, note) in notes.items():
+        if m.startswith(SWEEP_PREFIX) and (tp, n, m) in p:
+            sweep[(tp, n)].append((p[(tp, n, m)], m[len(SWEEP_PREFIX) :], note))
+    if sweep:
+        out.append("## Phase-1 launch sweep (two-phase step, graph p50 us)")
+        out.append("")
+        out.append("`b<block>_s<programs per row>_w<warps>`; `table` = the two-phase step with the "
+                   "launch the table gave this run (`two_phase` above).")  # fmt: skip
+        out.append("")
+        out.append("| TP | rows | table | fastest | 2nd | 3rd | launches timed |")
+        out.append("|---|---|---|---|---|---|---|")
+        for (tp, n), runs in sorted(sweep.items()):
+            best = sorted(runs)[:3]
+            cells = [f"{name} {us:.1f}" for us, name, _ in best] + [""] * (3 - len(best))
+            table = p.get((tp, n, "two_phase"))
+            shown = "" if table is None else f"{table:.1f}"
+            out.append(f"| {tp} | {n} | {shown} | " + " | ".join(cells) + f" | {len(runs)} |")
+        out.append("")
+    draws: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+    for (tp, n, m), us in p.items():
+        if m.startswith(DRAW_PREFIX) and m[len(DRAW_PREFIX) :].isdigit():
+            draws[(tp, n)][int(m[len(DRAW_PREFIX) :])] = us
+    if draws:
+        counts = sorted({d for v in draws.values() for d in v})
+        out.append("## Draw programs per request (two-phase step, graph p50 us)")
+        out.append("")
+        out.append("`built-in` = the two-phase step with the draw kernel's built-in program count "
+                   "(`two_phase` above); `d<N>` = N programs per drawing request.")  # fmt: skip
+        out.append("")
+        out.append("| TP | rows | built-in | " + " | ".join(f"d{d}" for d in counts) + " |")
+        out.append("|---|---|---" + "|---" * len(counts) + "|")
+        for (tp, n), by in sorted(draws.items()):
+            cells = [f"{by[d]:.1f}" if d in by else "" for d in counts]
+            table = p.get((tp, n, "two_phase"))
+            shown = "" if table is None else f"{table:.1f}"
+            out.append(f"| {tp} | {n} | {shown} | " + " | ".join(cells) + " |")
+        out.append("")
     out.append("## Exactness and determinism")
     out.append("")
     for (tp, n, m), (correct, note) in sorted(notes.items()):
-        if correct or note:
+        if (correct or note) and not m.startswith((SWEEP_PREFIX, DRAW_PREFIX)):
             said = (
                 f"{correct} unflagged requests differ from vLLM 0.33 (full V); " if correct else ""
             )
             out.append(f"- TP {tp}, {n} rows, {m}: {said}{note}")
+    for (tp, n, m), (_, note) in sorted(notes.items()):
+        if m.startswith(DRAW_PREFIX) and note and not note.startswith("agrees"):
+            out.append(f"- TP {tp}, {n} rows, {m}: {note}")
+    for (tp, n), runs in sorted(sweep.items()):
+        bad = [name for _, name, note in runs if not note.startswith("agrees")]
+        out.append(
+            f"- TP {tp}, {n} rows, phase-1 sweep: {len(runs) - len(bad)} of {len(runs)} launches "
+            "give two_phase's tokens and counts on every request neither run flagged"
+            + (f"; DIFFER: {', '.join(bad)}" if bad else "")
+        )
     out.append("")
     out.append("## Targets (issue 22)")
     out.append("")
@@ -70,6 +123,12 @@ def summary(rows: list[dict[str, Any]]) -> str:
             a, b = p[(2, n, "two_phase")], p[(2, n, "vllm_cols")]
             out.append(f"- TP2 shard, {n} rows: shardmax two-phase {a:.1f} us <= vLLM on the same "
                        f"columns {b:.1f} us: {'PASS' if a <= b else 'FAIL'} ({a / b:.2f}x)")  # fmt: skip
+    for n in nrows:
+        if (2, n, "greedy_rows") in p and (2, n, "greedy") in p:
+            a, b = p[(2, n, "greedy_rows")], p[(2, n, "greedy")]
+            out.append(f"- TP2 shard, {n} rows, every request greedy: sharded_verify's plan "
+                       f"{a:.1f} us <= 1.5 x sharded_greedy_verify's {b:.1f} us: "
+                       f"{'PASS' if a <= 1.5 * b else 'FAIL'} ({a / b:.2f}x)")  # fmt: skip
     out.append("")
     out.append("## Per-kernel GPU us per call (torch profile, eager)")
     out.append("")

@@ -79,14 +79,15 @@ def _hip_resources(amdgcn: str) -> dict[str, int]:
     }
 
 
-def compile_variant(mod: ModuleType, arch: ArchLimits, num_warps: int = 4) -> dict[str, Any]:
-    """Compile one generated module for ``arch``; returns its resource record."""
+def _compile(
+    mod: ModuleType, constexprs: dict[str, Any], arch: ArchLimits, num_warps: int
+) -> dict[str, Any]:
     import triton
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget(arch.backend, arch.target_arch, arch.warp_size)
     src = triton.compiler.ASTSource(
-        fn=mod.kernel, signature=dict(mod.SIGNATURE), constexprs=dict(mod.CONSTEXPRS)
+        fn=mod.kernel, signature=dict(mod.SIGNATURE), constexprs=dict(constexprs)
     )
     compiled = triton.compile(src, target=target, options={"num_warps": num_warps})
     if arch.backend == "cuda":
@@ -95,6 +96,21 @@ def compile_variant(mod: ModuleType, arch: ArchLimits, num_warps: int = 4) -> di
         res = _hip_resources(compiled.asm["amdgcn"])
     res["shared_bytes"] = int(compiled.metadata.shared)
     res["num_warps"] = num_warps
+    return res
+
+
+def compile_variant(mod: ModuleType, arch: ArchLimits, num_warps: int = 4) -> dict[str, Any]:
+    """Compile one generated module for ``arch`` at its ``CONSTEXPRS``; returns its resource
+    record. A module's ``CONFIGS`` (``{name: constexpr overrides}``: other constexpr sets the
+    runtime launches, e.g. the record kernel's phase 1) are compiled too, under
+    ``record["configs"][name]``."""
+    res = _compile(mod, mod.CONSTEXPRS, arch, num_warps)
+    configs = getattr(mod, "CONFIGS", {})
+    if configs:
+        res["configs"] = {
+            name: _compile(mod, {**mod.CONSTEXPRS, **over}, arch, num_warps)
+            for name, over in sorted(configs.items())
+        }
     return res
 
 

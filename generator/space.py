@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from shardmax.runtime.defaults import RECORD_BLOCKS
 from shardmax.runtime.variants import DTYPES, TRANSPORTS, UNROLLED_TP, VariantKey
 
 BLOCKS = (1024, 2048, 4096, 8192)
@@ -66,7 +67,7 @@ def finish_variants() -> Iterator[VariantKey]:
                     yield VariantKey(family, tp=tp, transport=transport)
 
 
-SAMPLED_BLOCKS = (1024, 2048, 4096)
+SAMPLED_BLOCKS = RECORD_BLOCKS
 """Register-tile widths of the sampled-verification record kernel. Narrower than the greedy
 local stage's: every element carries a MurmurHash3 + two logs (Gumbel key) and the online
 (max, sumexp) state, so 8192-wide tiles would spill."""

@@ -5,7 +5,9 @@ matters where the runtime can launch the variant on that arch. :func:`selectable
 every local-stage variant a row of the arch's tables names, adapted to every dtype (and, for the
 greedy local stage, both alignments) as the dispatcher adapts it, the two-phase draw kernel at
 its built-in block, and every finish / merge / strict kernel (the runtime picks those by TP and
-mode, never by table). ``generator --check --arch ...`` fails on a spill in that set that
+mode, never by table); and, as ``<name>[phase1]``, the record kernel's phase-1 constexpr set at
+every block a ``sampled`` row's ``launch["phase1"]`` names (compiled by the AOT report from the
+module's ``CONFIGS``). ``generator --check --arch ...`` fails on a spill in that set that
 :data:`KNOWN_SPILLS` does not list -- a new one -- and says which known ones went away.
 """
 
@@ -36,9 +38,29 @@ KNOWN_SPILLS: dict[str, dict[str, str]] = {
 """Spills of selectable variants that are known and accepted for now, per arch, with why."""
 
 
+PHASE1 = "phase1"
+"""The record kernel's phase-1 constexpr set (``CONFIGS`` of ``sampled_record_*``): a table
+row's ``launch["phase1"]`` block launches it; its spills are reported as ``<name>[phase1]``."""
+
+
+def selectable_phase1(out: Path, arch: str, variants: list[str]) -> set[str]:
+    """Record variants (of ``variants``) the ``sampled`` table's ``phase1`` launches name, in
+    every dtype."""
+    path = out / arch / "sampled.json"
+    if not path.exists():
+        return set()
+    chosen = set()
+    for row in json.loads(path.read_text())["rows"]:
+        p1 = row.get("launch", {}).get(PHASE1)
+        if isinstance(p1, dict) and isinstance(p1.get("block"), int):
+            for d in DTYPES:
+                chosen.add(VariantKey("sampled_record", dtype=d, block=p1["block"]).name)
+    return chosen & set(variants)
+
+
 def selectable(out: Path, arch: str, variants: list[str]) -> set[str]:
-    """The variants (of ``variants``) the runtime can launch on ``arch`` given the tables in
-    ``out/<arch>/`` (see the module docstring)."""
+    """The variants (of ``variants``) the runtime can launch on ``arch`` at their default
+    constexprs given the tables in ``out/<arch>/`` (see the module docstring)."""
     chosen: set[str] = set()
     for op in TABLE_OPS:
         path = out / arch / f"{op}.json"
@@ -66,7 +88,13 @@ def spill_report(out: Path, arch: str, record: dict[str, Any]) -> tuple[list[str
     :data:`KNOWN_SPILLS` (``"name: N bytes"``), and known entries that no longer spill."""
     per = record["variants"]
     known = KNOWN_SPILLS.get(arch, {})
-    spilling = {n for n in selectable(out, arch, list(per)) if per[n]["spill_bytes"] > 0}
-    new = [f"{n}: {per[n]['spill_bytes']} bytes" for n in sorted(spilling - set(known))]
-    gone = sorted(n for n in known if n in per and per[n]["spill_bytes"] == 0)
+    spills = {n: int(r["spill_bytes"]) for n, r in per.items()}
+    for n, r in per.items():
+        for cname, c in r.get("configs", {}).items():
+            spills[f"{n}[{cname}]"] = int(c["spill_bytes"])
+    chosen = selectable(out, arch, list(per))
+    chosen |= {f"{n}[{PHASE1}]" for n in selectable_phase1(out, arch, list(per))}
+    spilling = {n for n in chosen if spills.get(n, 0) > 0}
+    new = [f"{n}: {spills[n]} bytes" for n in sorted(spilling - set(known))]
+    gone = sorted(n for n in known if n in spills and spills[n] == 0)
     return new, gone

@@ -787,3 +787,28 @@ def test_is_off():
     for v in (True, 1, -1, 0.3, float("nan"), "standard", (0,), [None], np.float32(0.5),
               np.zeros(1), torch.zeros(()), object()):  # fmt: skip
         assert not is_off(v), v
+
+
+@pytest.mark.parametrize(
+    ("value", "tp1", "tp2"),
+    [(None, False, True), ("auto", False, True), ("1", True, True), ("on", True, True),
+     ("0", False, False), ("off", False, False)],
+)  # fmt: skip
+def test_sampled_routing_by_tp(monkeypatch, value, tp1, tp2):
+    """Sampled steps shard at TP > 1 by default (at TP 1 there is nothing to gather and vLLM's
+    chain measured faster); ``SHARDMAX_VLLM_SAMPLED`` forces either way; other values raise."""
+    from shardmax.integrations.vllm import step
+
+    if value is None:
+        monkeypatch.delenv(step.ENV_SAMPLED, raising=False)
+    else:
+        monkeypatch.setenv(step.ENV_SAMPLED, value)
+    assert step.sampled_routing(1) is tp1 and step.sampled_routing(2) is tp2
+
+
+def test_sampled_routing_rejects_other_values(monkeypatch):
+    from shardmax.integrations.vllm import step
+
+    monkeypatch.setenv(step.ENV_SAMPLED, "sometimes")
+    with pytest.raises(ValueError, match="SHARDMAX_VLLM_SAMPLED='sometimes'"):
+        step.sampled_routing(2)

@@ -11,6 +11,7 @@ and the errors of the stage API.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -85,6 +86,46 @@ def test_non_finite_rows_flag_the_same_requests() -> None:
     assert int((two.reason == FallbackReason.NON_FINITE).sum()) == 3
 
 
+@pytest.mark.parametrize(("tp", "fp64"), [(2, False), (3, True)])
+def test_non_finite_rows_without_a_draft(tp, fp64) -> None:
+    """Phase 1 does not read rows without a draft (bonus rows): a drawn bonus row with NaN,
+    +inf or no finite logit is flagged by the pick exactly as the one-pass finish flags it, and
+    an undrawn one (an earlier draft rejected) flags nothing."""
+    batch, temps = _batch(12, 3, 3001, seed=11, prefill_prob=0.0, placeholder_prob=0.0)
+    temps[:] = 1.0
+    cu = batch.cu_num_logits.long().tolist()
+    with_drafts = [r for r in range(12) if cu[r + 1] - cu[r] >= 2]
+    assert len(with_drafts) >= 5
+    rejecting = with_drafts[4]
+    for r in with_drafts:
+        for row in range(cu[r], cu[r + 1] - 1):  # rows that test a draft
+            d = int(batch.draft_sampled[row + 1])
+            batch.logits[row, d] = -math.inf if r == rejecting else 60.0  # rejected / accepted
+    bonus = [cu[r + 1] - 1 for r in with_drafts]
+    batch.logits[bonus[0], :] = -math.inf  # no finite logit
+    batch.logits[bonus[1], 17] = math.nan
+    batch.logits[bonus[2], 2999] = math.inf
+    batch.logits[bonus[4], 5] = math.nan  # its first draft is rejected: the bonus row is unused
+    one, two, want = _both(batch, temps, tp, use_fp64_gumbel=fp64, record_splits=2)
+    _assert_same(one, two, want)
+    flagged = [r for r in range(12) if bool(two.fallback[r])]
+    assert flagged == sorted(with_drafts[:3])
+    assert (two.reason[with_drafts[:3]] == FallbackReason.NON_FINITE).all()
+    assert int(two.num_rejected[rejecting]) == cu[rejecting + 1] - cu[rejecting] - 1
+    assert int(two.num_sampled[with_drafts[3]]) == cu[with_drafts[3] + 1] - cu[with_drafts[3]]
+
+
+def test_many_draw_splits_pack_fewer_requests_per_pick() -> None:
+    """Up to 128 draw programs per request (most of them empty on a narrow shard): the pick
+    loads tp x splits keys per request in tiles of fewer requests, same tokens."""
+    from shardmax.ops.sampled import pick_requests
+
+    assert [pick_requests(p) for p in (1, 8, 64, 100, 1024)] == [32, 32, 32, 16, 2]
+    batch, temps = _batch(9, 3, 1601, seed=21, dtype=torch.bfloat16)
+    one, two, want = _both(batch, temps, 8, draw_splits=100)
+    _assert_same(one, two, want)
+
+
 def test_planted_gumbel_tie_across_a_shard_edge_takes_the_lowest_id() -> None:
     """Two tokens on two ranks (and two draw splits) whose noised fp32 values are equal: the
     drawn token is the lower id, in both pipelines, as vLLM's argmax over the full row. (fp64
@@ -142,7 +183,7 @@ def test_stage_api_errors() -> None:
     step = check_step_batch(rows, batch.logits.device, *batch.args(), temperature=temps)
     with pytest.raises(ValueError, match="one pass"):
         _plan(1, rows).draw(batch.logits, step)
-    for bad in (0, 33, True, 2.0):
+    for bad in (0, 129, True, 2.0):
         with pytest.raises(ValueError, match="draw_splits"):
             _plan(2, draw_splits=bad)
     with pytest.raises(ValueError, match="phases"):
@@ -208,35 +249,93 @@ def test_two_phase_equals_vllm_on_gpu(case) -> None:
 
 def test_phases_from_a_measured_benchmark(tmp_path) -> None:
     """tuner/phases.py: a row takes two-phase where it was faster at its bucket's measured row
-    count; a TP that was not measured takes TP 1's answer; the catch-all the largest count."""
+    count (with the fastest agreeing phase-1 launch of the sweep, and the second exchange's
+    latency charged at TP > 1); a TP that was not measured takes TP 1's answer; the catch-all
+    the largest count."""
     import csv as csv_mod
 
-    from tuner.phases import apply_phases, measured_phases
+    from tuner.phases import apply_phases, exchange_latency, measured_phases
 
     path = tmp_path / "sampled_local.csv"
+    fields = ["tp", "rows", "method", "kernel", "p50_us", "note"]
     with path.open("w", newline="") as f:
-        w = csv_mod.DictWriter(f, fieldnames=["tp", "rows", "method", "kernel", "p50_us"])
+        w = csv_mod.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for tp, rows, one, two in ((2, 4, 10.0, 12.0), (2, 96, 50.0, 30.0), (1, 4, 9.0, 8.0),
-                                   (1, 512, 300.0, 100.0)):  # fmt: skip
-            w.writerow({"tp": tp, "rows": rows, "method": "one_pass", "kernel": "", "p50_us": one})
-            w.writerow({"tp": tp, "rows": rows, "method": "two_phase", "kernel": "", "p50_us": two})
+                                   (1, 512, 300.0, 100.0), (2, 32, 20.0, 17.0)):  # fmt: skip
+            w.writerow({"tp": tp, "rows": rows, "method": "one_pass", "p50_us": one})
+            w.writerow({"tp": tp, "rows": rows, "method": "two_phase", "p50_us": two})
             w.writerow({"tp": tp, "rows": rows, "method": "two_phase", "kernel": "k", "p50_us": 1})
+        sweep = (
+            ("two_phase_p1_b4096_s4_w8", 25.0, "agrees with two_phase (0 flagged)"),
+            ("two_phase_p1_b1024_s8_w4", 20.0, "DIFFERS"),  # never taken
+            ("two_phase_p1_b2048_s2_w4", 27.0, "agrees with two_phase (1 flagged)"),
+        )
+        for method, us, note in sweep:  # fmt: skip
+            w.writerow({"tp": 2, "rows": 96, "method": method, "p50_us": us, "note": note})
+    step = tmp_path / "step_tp2.csv"
+    step.write_text("rows,op,path,p50_us\n4,collective,floor_allreduce_int64,10.0\n"
+                    "96,collective,floor_allreduce_int64,12.0\n4,verify,plain,99\n")  # fmt: skip
+    assert exchange_latency(step) == {4: 10.0, 96: 12.0}
     measured = measured_phases(path)
-    assert measured[(2, 4)][0] == 1 and measured[(2, 96)][0] == 2
+    assert measured[(2, 4)].phases == 1 and measured[(2, 96)].phases == 2
+    assert measured[(2, 96)].two_phase == 25.0
+    assert measured[(2, 96)].phase1 == {"block": 4096, "splits": 4, "num_warps": 8}
+    assert measured[(1, 4)].phase1 is None and measured[(2, 32)].phases == 2
+    # the real second exchange makes 17 + 10 > 20 at 32 rows (nearest: 4 rows' latency)
+    charged = measured_phases(path, exchange_latency(step))
+    assert charged[(2, 32)].phases == 1 and charged[(2, 32)].exchange == 10.0
+    assert charged[(2, 96)].phases == 2 and charged[(1, 4)].exchange == 0.0
     launch = {"splits": 1, "num_warps": 4, "candidates": 64, "transport": "allgather"}
     table = {"op": "sampled", "provenance": {}, "rows": [
         {"match": {"tp": 2, "rows_le": 1}, "launch": dict(launch)},
         {"match": {"tp": 2, "rows_le": 64}, "launch": dict(launch)},
-        {"match": {"tp": 2, "rows_le": 256}, "launch": dict(launch)},
+        {"match": {"tp": 2, "rows_le": 256}, "launch": dict(launch, phase1={"block": 1024,
+                                                                       "splits": 2,
+                                                                       "num_warps": 4})},
         {"match": {"tp": 8, "rows_le": 4}, "launch": dict(launch)},
         {"match": {}, "launch": dict(launch)},
     ]}  # fmt: skip
-    out = apply_phases(table, measured, "x.csv")
+    out = apply_phases(table, charged, "x.csv", "step.csv")
     assert [r["launch"]["phases"] for r in out["rows"]] == [1, 1, 2, 2, 2]
+    assert out["rows"][2]["launch"]["phase1"] == {"block": 4096, "splits": 4, "num_warps": 8}
+    assert ["phase1" in r["launch"] for r in out["rows"]] == [False, False, True, False, False]
+    assert out["rows"][2]["phases_exchange_us"] == 12.0
     assert out["provenance"]["phases"]["source"] == "x.csv"
+    assert out["provenance"]["phases"]["exchange_source"] == "step.csv"
     with pytest.raises(ValueError, match="sampled"):
         apply_phases({"op": "verify", "rows": []}, measured, "x.csv")
+    with pytest.raises(ValueError, match="floor_allreduce"):
+        exchange_latency(path)
+
+
+def test_phase1_launch_of_a_table_row() -> None:
+    """A row's ``phase1`` launch runs phase 1 of two-phase steps only (candidate steps and
+    one-pass rows keep the record launch); it is validated, capped to the width, and dropped by
+    an override that forces the record launch."""
+    row = {"match": {}, "variant": "sampled_record_bf16_b1024", "launch": {
+        "splits": 4, "num_warps": 4, "candidates": 64, "transport": "allgather", "phases": 2,
+        "phase1": {"block": 4096, "splits": 32, "num_warps": 8}}}  # fmt: skip
+    table = {"schema": 1, "arch": "sm90", "op": "sampled", "tuned": True, "provenance": {},
+             "rows": [row]}  # fmt: skip
+    dispatch.validate_table(table)
+    sel = dispatch._adapt(row, dispatch.Problem("sampled", "fp16", 2, 8, 20000, 16), True, "t")
+    assert sel.phase1 == {"block": 4096, "splits": 5, "num_warps": 8}  # cdiv(20000, 4096)
+    p1 = RecordLaunch.of(sel, two_phase=True)
+    assert (p1.variant, p1.splits, p1.num_warps, p1.phases) == ("sampled_record_fp16_b4096", 5,
+                                                                 8, 2)  # fmt: skip
+    assert RecordLaunch.of(sel).variant == "sampled_record_fp16_b1024"
+    one = dispatch.Selection(sel.variant, dict(sel.launch, phases=1), True, "t")
+    assert RecordLaunch.of(one, two_phase=True).splits == 4
+    for bad, msg in (({"block": 512, "splits": 1, "num_warps": 4}, "block"),
+                     ({"block": 1024, "splits": 0, "num_warps": 4}, "splits"),
+                     ({"block": 1024, "splits": 1, "num_warps": 3}, "num_warps"),
+                     ({"block": 1024, "splits": 1}, "exactly"),
+                     ({"block": 1024, "splits": True, "num_warps": 4}, "int")):  # fmt: skip
+        broken = json.loads(json.dumps(table))
+        broken["rows"][0]["launch"]["phase1"] = bad
+        with pytest.raises(ValueError, match=msg):
+            dispatch.validate_table(broken)
 
 
 def test_sm90_table_carries_the_measured_choice() -> None:

@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(tuner/phases.py) into <out>/<arch>/sampled.json, then exit",
     )
     p.add_argument(
+        "--exchange-from",
+        type=Path,
+        metavar="CSV",
+        help="with --phases-from: charge two-phase steps at TP > 1 the second exchange's "
+        "latency measured in a 2-GPU step CSV (benchmarks/results/<arch>/step_tp2.csv)",
+    )
+    p.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress bars (terminal) or progress lines with ETA (log file)",
@@ -183,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.phases_from is not None:
         from .phases import write_phases
 
-        print(f"wrote {write_phases(args.phases_from, out_dir, arch)}")
+        print(f"wrote {write_phases(args.phases_from, out_dir, arch, args.exchange_from)}")
         return 0
     if args.init_defaults:
         for op in ops:

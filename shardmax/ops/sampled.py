@@ -56,6 +56,7 @@ from shardmax.runtime.defaults import (
     DEFAULT_RECORD_BLOCK,
     DRAW_TARGET_PROGRAMS,
     DRAW_WARPS,
+    MAX_DRAW_SPLITS,
     MAX_RECORD_SPLITS,
     PHASE_CHOICES,
     SPLIT_PIPELINE_MAX_ROWS,
@@ -71,6 +72,7 @@ from shardmax.runtime.variants import VariantKey, build_name, finish_variant, pa
 __all__ = [
     "CANDIDATE_CHOICES",
     "DEFAULT_RECORD_BLOCK",
+    "MAX_DRAW_SPLITS",
     "MAX_RECORD_SPLITS",
     "MODES",
     "TOPK_CANDIDATES",
@@ -262,14 +264,30 @@ class RecordLaunch(NamedTuple):
     phases: int = 1  # 1 | 2 (steps without candidates)
 
     @classmethod
-    def of(cls, sel: Selection) -> RecordLaunch:
+    def of(cls, sel: Selection, *, two_phase: bool = False) -> RecordLaunch:
+        """The launch of a selection. ``two_phase``: of a step that runs two-phase if the
+        selection says so (no candidates): phase 1 then takes the row's ``phase1`` launch where
+        the table has one (:attr:`~shardmax.runtime.dispatch.Selection.phase1`: block, splits,
+        warps measured on noise-free records)."""
+        p1 = sel.phase1 if two_phase and sel.phases == 2 else None
+        if p1 is None:
+            return cls(
+                sel.variant,
+                min(sel.splits, MAX_RECORD_SPLITS),
+                int(sel.launch.get("num_warps", 4)),
+                sel.candidates,
+                sel.source,
+                sel.phases,
+            )
+        key = parse_name(sel.variant)
+        variant = build_name(VariantKey("sampled_record", dtype=key.dtype, block=p1["block"]))
         return cls(
-            sel.variant,
-            min(sel.splits, MAX_RECORD_SPLITS),
-            int(sel.launch.get("num_warps", 4)),
+            variant,
+            min(p1["splits"], MAX_RECORD_SPLITS),
+            p1["num_warps"],
             sel.candidates,
-            sel.source,
-            sel.phases,
+            f"{sel.source} [phase1]",
+            2,
         )
 
 
@@ -298,7 +316,9 @@ def draw_launch(
     the split count), ``num_valid`` this rank's real columns."""
     if splits is None:
         target = DRAW_TARGET_PROGRAMS if device.type == "cuda" else 1
-        splits = default_record_splits(num_reqs, width, DEFAULT_RECORD_BLOCK, target)
+        splits = default_record_splits(
+            num_reqs, width, DEFAULT_RECORD_BLOCK, target, MAX_DRAW_SPLITS
+        )
     chunk = triton.cdiv(triton.cdiv(num_valid, splits), DEFAULT_RECORD_BLOCK) * DEFAULT_RECORD_BLOCK
     name = build_name(
         VariantKey("sampled_draw", dtype=SUPPORTED_DTYPES[dtype], block=DEFAULT_RECORD_BLOCK)
@@ -320,13 +340,17 @@ def check_record_selection(variant: str, dtype: str) -> None:
         )
 
 
-def record_launch(dtype: torch.dtype, tp: int, rows: int, width: int) -> RecordLaunch:
+def record_launch(
+    dtype: torch.dtype, tp: int, rows: int, width: int, *, with_candidates: bool = True
+) -> RecordLaunch:
     """The dispatcher's ``sampled`` selection for a step of ``rows`` logits rows over ``[rows,
     W]`` local shards (:func:`shardmax.runtime.dispatch.select` for the current device's arch):
     ``generated/<arch>/sampled.json`` on a tuned GPU, the built-in rule otherwise (on a CPU
     always). Keyed by ``(dtype, tp, rows, W)`` and ``align`` = 16 iff ``W % 16 == 0`` -- the padded
     width, not a tensor's row stride (the record kernel has no alignment variants), so every rank
-    picks the same launch and sends the same number of words.
+    picks the same launch and sends the same number of words. ``with_candidates=False`` (a step
+    without top-k / top-p / min-p tensors): a two-phase row's phase 1 launch
+    (:meth:`RecordLaunch.of`).
 
     Raises:
         ValueError: the selection does not name a ``sampled_record_*`` variant of ``dtype``
@@ -335,7 +359,7 @@ def record_launch(dtype: torch.dtype, tp: int, rows: int, width: int) -> RecordL
     name = SUPPORTED_DTYPES[dtype]
     sel = select(Problem("sampled", name, tp, rows, width, 16 if width % 16 == 0 else 1))
     check_record_selection(sel.variant, name)
-    return RecordLaunch.of(sel)
+    return RecordLaunch.of(sel, two_phase=not with_candidates)
 
 
 def record_splits(rows: int, width: int, block: int, device: torch.device) -> int:
@@ -624,7 +648,16 @@ def draw_keys(
 
 
 PICK_REQUESTS = 32
-"""Requests per program of ``sampled_pick``."""
+"""Most requests per program of ``sampled_pick``."""
+PICK_TILE = 2048
+"""Keys one ``sampled_pick`` program loads at once: requests per program x parts (a power of
+two), so a step with many draw splits packs fewer requests per program."""
+
+
+def pick_requests(parts: int) -> int:
+    """Requests per ``sampled_pick`` program for ``parts`` keys per request (a power of two in
+    ``[1, PICK_REQUESTS]``)."""
+    return max(1, min(PICK_REQUESTS, PICK_TILE // triton.next_power_of_2(max(parts, 1))))
 
 
 def pick_tokens(
@@ -632,28 +665,37 @@ def pick_tokens(
     draw: torch.Tensor,
     splits: int,
     use_fp64_gumbel: bool,
-    sampled: torch.Tensor,
+    res: VerifyResult,
+    row_draft: torch.Tensor,
 ) -> None:
     """Every rank, on the gathered ``[tp, n]`` draw keys: each drawing request's token into
-    ``sampled`` (int64 ``[num_reqs, K + 1]``) at the column ``draw`` names. One launch."""
+    ``res.sampled`` (int64 ``[num_reqs, K + 1]``) at the column ``draw`` names; a drawn row
+    without a draft (``row_draft``, int64 ``[num_logits]``: :class:`RowParams` ``draft``) that
+    holds NaN / ``+inf`` or no finite value flags its request ``NON_FINITE`` in ``res`` (phase 1
+    did not read it). One launch."""
     num_reqs = draw.numel() // 2
     if num_reqs == 0:
         return
     tp, n = gathered.shape
     parts = tp * splits
+    per = pick_requests(parts)
     kernels.kernel("sampled_pick")(
-        (triton.cdiv(num_reqs, PICK_REQUESTS),),
+        (triton.cdiv(num_reqs, per),),
         gathered,
         draw,
-        sampled,
+        res.sampled,
+        row_draft,
+        res.fallback.view(torch.int8),
+        res.reason,
         num_reqs,
+        row_draft.numel(),
         parts,
         splits,
         n,
-        sampled.stride(0),
-        K=sampled.shape[1] - 1,
+        res.sampled.stride(0),
+        K=res.sampled.shape[1] - 1,
         FP64=use_fp64_gumbel,
-        BLOCK_R=PICK_REQUESTS,
+        BLOCK_R=per,
         PARTS_P2=triton.next_power_of_2(parts),
         num_warps=1,
     )
@@ -677,7 +719,7 @@ class SampledVerifyPlan:
             (:func:`max_chunk_rows`) or ranks' ranges with a gap (:func:`shardmax.ops.strict.plan`);
             a ``launch`` that is not a record kernel of the shard's dtype; ``draw_splits``
             (programs per request of a two-phase step's draw; default the built-in rule) not in
-            ``[1, 32]``.
+            ``[1, MAX_DRAW_SPLITS]`` (128).
     """
 
     op = "sampled"
@@ -705,7 +747,9 @@ class SampledVerifyPlan:
         self.with_candidates = with_candidates
         self.processed = processed
         if launch is None:
-            launch = record_launch(ctx.dtype, ctx.tp, rows, ctx.width)
+            launch = record_launch(
+                ctx.dtype, ctx.tp, rows, ctx.width, with_candidates=with_candidates
+            )
         else:
             check_record_selection(launch.variant, ctx.dtype_name)
             if not isinstance(launch.splits, int) or not 1 <= launch.splits <= MAX_RECORD_SPLITS:
@@ -723,10 +767,10 @@ class SampledVerifyPlan:
         if draw_splits is not None and (
             isinstance(draw_splits, bool)
             or not isinstance(draw_splits, int)
-            or not 1 <= draw_splits <= MAX_RECORD_SPLITS
+            or not 1 <= draw_splits <= MAX_DRAW_SPLITS
         ):
             raise ValueError(
-                f"draw_splits: expected an int in [1, {MAX_RECORD_SPLITS}], got {draw_splits!r}"
+                f"draw_splits: expected an int in [1, {MAX_DRAW_SPLITS}], got {draw_splits!r}"
             )
         self.draw_splits = draw_splits
         self._draws: dict[int, DrawLaunch] = {}
@@ -768,7 +812,7 @@ class SampledVerifyPlan:
             ws.reserve(name, 8 * rows)
         if self.two_phase:
             ws.reserve("sampled.draw", 4 * 2 * rows)
-            ws.reserve("sampled.keys", 8 * MAX_RECORD_SPLITS * rows * (1 + self.use_fp64_gumbel))
+            ws.reserve("sampled.keys", 8 * MAX_DRAW_SPLITS * rows * (1 + self.use_fp64_gumbel))
         if self.with_candidates:
             ws.reserve("sampled.scratch", 8 * s * rows * candidate_capacity(c))
             ws.reserve("sampled.merged", 8 * rows * c)
@@ -933,7 +977,7 @@ class SampledVerifyPlan:
         launch = self.draw_launch(reqs)
         ms = 1 + self.use_fp64_gumbel
         keys = self._sliced(
-            "sampled.keys", (MAX_RECORD_SPLITS * self.num_logits * ms,), torch.int64,
+            "sampled.keys", (MAX_DRAW_SPLITS * self.num_logits * ms,), torch.int64,
             launch.splits * reqs * ms,
         )  # fmt: skip
         params = RowParams(*self._row_buffers(), batch.pos)
@@ -951,7 +995,7 @@ class SampledVerifyPlan:
         reqs = res.num_sampled.shape[0]
         pick_tokens(
             gathered.contiguous(), self.draw_rows(reqs) if draw is None else draw,
-            self.draw_launch(reqs).splits, self.use_fp64_gumbel, res.sampled,
+            self.draw_launch(reqs).splits, self.use_fp64_gumbel, res, self._row_buffers()[2],
         )  # fmt: skip
         return res
 

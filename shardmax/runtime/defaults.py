@@ -21,6 +21,9 @@ MAX_SPLITS = 32
 DEFAULT_RECORD_BLOCK = 2048
 """Tile of the sampled record kernel (``sampled_record_*``) in the built-in rule; any block gives
 the same keys."""
+RECORD_BLOCKS = (1024, 2048, 4096)
+"""Blocks of the generated ``sampled_record_*`` / ``sampled_draw_*`` variants (the generator's
+space renders exactly these)."""
 MAX_RECORD_SPLITS = 32
 """Most programs per row of the sampled record kernel."""
 TOPK_CANDIDATES = 64
@@ -36,6 +39,9 @@ BUILTIN_PHASES = 2
 """Phases of the built-in rule (two-phase draws ``K + 1`` times less noise)."""
 DRAW_WARPS = 8
 """Warps of the two-phase step's draw kernel (``sampled_draw_*``), built-in."""
+MAX_DRAW_SPLITS = 128
+"""Most programs per drawing request of the draw kernel: a step of a few requests still fills
+the GPU (one request's row spread over up to 128 programs)."""
 DRAW_TARGET_PROGRAMS = 1056
 """Programs of the draw kernel over a step's drawing requests (about 8 per SM of a 132-SM
 GPU): each element carries a hash and two logs, so the draw wants more programs in flight than
@@ -48,16 +54,19 @@ this many logits rows without an active top-k runs the split pipeline, a larger 
 monolithic kernel. The nucleus guard models the one vLLM would run."""
 
 
-def default_record_splits(rows: int, width: int, block: int, target_programs: int) -> int:
+def default_record_splits(
+    rows: int, width: int, block: int, target_programs: int, most: int = MAX_RECORD_SPLITS
+) -> int:
     """Programs per row of the record kernel (a power of two): about ``target_programs``
-    programs in all, at most :data:`MAX_RECORD_SPLITS`, and at least two tiles of ``block``
-    columns per split. ``width`` is the padded shard width, the same on every rank (so is the
-    result, as the all_gather needs)."""
+    programs in all, at most ``most`` (:data:`MAX_RECORD_SPLITS`; the draw kernel's
+    :data:`MAX_DRAW_SPLITS`), and at least two tiles of ``block`` columns per split. ``width``
+    is the padded shard width, the same on every rank (so is the result, as the all_gather
+    needs)."""
     if rows <= 0:
         return 1
     cap = min(triton.cdiv(target_programs, rows), max(1, width // (2 * block)))
     s = 1
-    while s * 2 <= min(cap, MAX_RECORD_SPLITS):
+    while s * 2 <= min(cap, most):
         s *= 2
     return s
 

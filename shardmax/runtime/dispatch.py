@@ -38,6 +38,7 @@ from shardmax.runtime.defaults import (
     CANDIDATE_CHOICES,
     MAX_RECORD_SPLITS,
     PHASE_CHOICES,
+    RECORD_BLOCKS,
     TARGET_PROGRAMS,
     builtin_launch,
 )
@@ -119,6 +120,15 @@ class Selection:
         """Op ``sampled``: 1 = one-pass record, 2 = two-phase on steps without candidates (1 when
         not given: a table measured before the two-phase step existed)."""
         return int(self.launch.get("phases", 1))
+
+    @property
+    def phase1(self) -> dict[str, int] | None:
+        """Op ``sampled``: phase 1's own launch on a two-phase step (``{"block", "splits",
+        "num_warps"}``, measured on noise-free records, which want more programs than the
+        candidate steps the record launch was tuned on), or None: phase 1 runs the record
+        launch. Splits already capped to the problem's width (:func:`_adapt`)."""
+        p1 = self.launch.get("phase1")
+        return None if p1 is None else {k: int(v) for k, v in p1.items()}
 
     def finish_variant(self, op: str, tp: int) -> str:
         return finish_variant(op, tp, self.transport)
@@ -253,10 +263,35 @@ def validate_launch(launch: dict[str, Any], where: str) -> None:
         raise ValueError(
             f"{where}: phases must be one of {PHASE_CHOICES}, got {launch['phases']!r}"
         )
+    if "phase1" in launch:
+        _validate_phase1(launch["phase1"], where)
     if "candidates" in launch:
         c = launch["candidates"]
         if not isinstance(c, int) or isinstance(c, bool) or c not in CANDIDATE_CHOICES:
             raise ValueError(f"{where}: candidates must be one of {CANDIDATE_CHOICES}, got {c!r}")
+
+
+def _validate_phase1(p1: Any, where: str) -> None:
+    """A ``phase1`` launch: ``{"block": <a generated record block>, "splits": 1..32,
+    "num_warps": power of two}`` and nothing else."""
+    if not isinstance(p1, dict) or set(p1) != {"block", "splits", "num_warps"}:
+        raise ValueError(
+            f"{where}: phase1 must be an object with exactly block, splits and num_warps, "
+            f"got {p1!r}"
+        )
+    for k, v in p1.items():
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{where}: phase1 {k} must be an int, got {v!r}")
+    if p1["block"] not in RECORD_BLOCKS:
+        raise ValueError(f"{where}: phase1 block must be one of {RECORD_BLOCKS}, got {p1['block']}")
+    if not 1 <= p1["splits"] <= MAX_RECORD_SPLITS:
+        raise ValueError(
+            f"{where}: phase1 splits must be in [1, {MAX_RECORD_SPLITS}], got {p1['splits']}"
+        )
+    if p1["num_warps"] not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(
+            f"{where}: phase1 num_warps must be a power of two in [1, 32], got {p1['num_warps']}"
+        )
 
 
 def validate_table(table: Any, where: str = "table") -> None:
@@ -351,6 +386,10 @@ def _adapt(row: dict[str, Any], p: Problem, tuned: bool, source: str) -> Selecti
             tuned = False
         cap = min(MAX_RECORD_SPLITS, max(1, triton.cdiv(p.width, int(key.block or 1))))
         launch["splits"] = max(1, min(int(launch["splits"]), cap))
+        p1 = launch.get("phase1")
+        if p1 is not None:
+            cap1 = min(MAX_RECORD_SPLITS, max(1, triton.cdiv(p.width, int(p1["block"]))))
+            launch["phase1"] = dict(p1, splits=max(1, min(int(p1["splits"]), cap1)))
         return Selection(key.name, launch, tuned, source)
     if key.dtype != p.dtype or key.align != p.align:
         key = VariantKey("shard_keys", dtype=p.dtype, align=p.align, block=key.block)
@@ -382,7 +421,8 @@ def override(**fields: Any) -> Iterator[None]:
     ``variant`` replaces the variant name (``"plain"`` forces the unsharded path); any other
     keyword (``transport``, ``splits``, ``num_warps``, ``num_stages``, ``candidates``,
     ``phases``) replaces
-    that launch parameter. The override applies to every op's selection, so force a variant of
+    that launch parameter; forcing ``variant``, ``splits`` or ``num_warps`` also drops a table
+    row's ``phase1`` launch (the forced launch runs phase 1 as well). The override applies to every op's selection, so force a variant of
     one op only inside calls of that op. Forced selections report ``is_tuned=False`` and
     ``source="override"``. Not thread-safe; every rank must enter the same override.
     """
@@ -424,6 +464,8 @@ def select(problem: Problem) -> Selection:
     if _override is None:
         return sel
     launch = {**sel.launch, **{k: v for k, v in _override.items() if k != "variant"}}
+    if {"variant", "splits", "num_warps"} & set(_override):
+        launch.pop("phase1", None)  # a forced record launch is phase 1's launch too
     return Selection(str(_override.get("variant", sel.variant)), launch, False, "override")
 
 

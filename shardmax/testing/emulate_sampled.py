@@ -91,7 +91,8 @@ def emulate_verify(
     full_logits = _check_full(full_logits)
     if selection is not None:
         check_record_selection(selection.variant, SUPPORTED_DTYPES[full_logits.dtype])
-        launch = RecordLaunch.of(selection)
+        plain = top_k is None and top_p is None and min_p is None  # no candidates
+        launch = RecordLaunch.of(selection, two_phase=plain)
     else:
         variant = record_variant(full_logits.dtype, record_block or 2048)
         if record_block is not None:

@@ -295,6 +295,13 @@ def _batch(slots: list[int], drafts: list[list[int]], last: list[int]) -> InputB
     return InputBatch(**{k: v for k, v in vals.items() if k in names})
 
 
+@pytest.fixture(autouse=True)
+def _shard_sampled_steps_at_tp1(monkeypatch):
+    """These steps run at TP 1, where the plug-in leaves sampled steps to vLLM by default
+    (``step.sampled_routing``); the parity tests force the sharded path."""
+    monkeypatch.setenv(step.ENV_SAMPLED, "1")
+
+
 class Step:
     """A stand-in runner around real vLLM objects, one verification step, and both paths."""
 
@@ -389,6 +396,22 @@ def test_field_and_method_tables_cover_the_real_objects(vllm_config):
         own = {k for k, v in vars(cls).items() if inspect.isfunction(v)}
         assert own == set(gate.CLASS_METHODS[SERIES][name]), (name, own)
         assert gate.check_methods(cls, name, gate.CLASS_METHODS[SERIES][name], SERIES) is None
+
+
+def test_sampled_steps_at_tp1_stay_on_vllms_path_by_default(vllm_config, monkeypatch):
+    """``SHARDMAX_VLLM_SAMPLED`` unset (``auto``): a sampled step at TP 1 runs vLLM's own
+    ``sample`` (nothing to gather; measured slower in the engine loop), counted with the reason;
+    a greedy step is still sharded."""
+    monkeypatch.delenv(step.ENV_SAMPLED)
+    s = Step(vllm_config, "standard", (0.0, 0.8, 1.0, 0.0), seed=11)
+    out = s.plugin()
+    assert s.native_calls == 1 and not _same(s.native(), out)
+    st = smv.stats()
+    assert st["native_verify"] == 1 and st["sharded_sampled_verify"] == 0, st
+    assert any("sampled step at TP 1" in r for r in st["fallbacks"]), st
+    g = Step(vllm_config, "standard", (0.0, 0.0, 0.0, 0.0), seed=11)
+    g.plugin()
+    assert g.native_calls == 0 and smv.stats()["sharded_verify"] == 1
 
 
 @pytest.mark.parametrize("method", ["standard", "synthetic"])

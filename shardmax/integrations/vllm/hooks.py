@@ -229,7 +229,10 @@ def maybe_verify_sharded(
       warm-up), else as serving.
     * All requests greedy and :func:`~shardmax.integrations.vllm.gate.step_decision` allows it:
       :func:`~shardmax.integrations.vllm.step.verify_greedy` (counter ``sharded_verify``).
-    * Some request sampled (temperature > 0) and ``step_decision(allow_temperature=True,
+    * Some request sampled (temperature > 0), sampled routing on at this TP size
+      (:func:`~shardmax.integrations.vllm.step.sampled_routing`: by default at TP > 1 only --
+      at TP 1 there is nothing to gather and vLLM's chain is faster) and
+      ``step_decision(allow_temperature=True,
       allow_nucleus=<SHARDMAX_VLLM_NUCLEUS=1 and a resolver loads>)`` allows it (temperature
       rows; with ``SHARDMAX_VLLM_NUCLEUS=1`` also top-k, top-p, min-p rows):
       :func:`~shardmax.integrations.vllm.step.verify_sampled`. Exactness rule: every request
@@ -260,6 +263,17 @@ def maybe_verify_sharded(
         counters.bump("sharded_verify")
         return out
     if getattr(input_batch, "num_reqs", 0) > 0 and not _all_greedy(runner, input_batch):
+        group = step.tp_group()
+        tp = 1 if group is None else int(group.world_size)
+        if not step.sampled_routing(tp):
+            reason = (
+                f"sampled step at TP {tp}: nothing to gather, vLLM's own chain is faster "
+                f"({step.ENV_SAMPLED}=1 shards it anyway)"
+                if tp == 1
+                else f"sampled steps off ({step.ENV_SAMPLED}=0)"
+            )
+            counters.fallback("native_verify", reason)
+            return native(runner, hidden_states, input_batch, grammar_output)
         nucleus = step.nucleus_routing() and step.resolver() is not None
         decision = gate.step_decision(
             runner, input_batch, grammar_output, allow_temperature=True, allow_nucleus=nucleus

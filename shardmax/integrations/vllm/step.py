@@ -31,6 +31,7 @@ from shardmax.integrations.vllm import counters
 __all__ = [
     "ENV_NUCLEUS",
     "ENV_RESOLVE",
+    "ENV_SAMPLED",
     "ENV_SAMPLED_MODE",
     "SAMPLED_MODES",
     "SampledResult",
@@ -44,6 +45,7 @@ __all__ = [
     "resolution_enabled",
     "resolver",
     "sampled_mode",
+    "sampled_routing",
     "sampler_output",
     "shard_geometry",
     "tp_group",
@@ -345,6 +347,33 @@ def nucleus_routing() -> bool:
     limits").
     Needs a resolver (:func:`resolver`)."""
     return os.environ.get(ENV_NUCLEUS, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+ENV_SAMPLED = "SHARDMAX_VLLM_SAMPLED"
+SAMPLED_ROUTING = ("auto", "1", "0")
+
+
+def sampled_routing(tp: int) -> bool:
+    """Whether sampled steps (temperature > 0) take the sharded path at TP size ``tp``:
+    ``$SHARDMAX_VLLM_SAMPLED`` = ``auto`` (default: at TP > 1 only), ``1`` (also at TP 1) or
+    ``0`` (never). ``auto`` by measured cost: at TP 1 there is no all-gather to save, and in the
+    engine loop on one H200 (``benchmarks/results/sm90/ENGINE.md``, V = 200064, T = 1, 4-512
+    rows) the plug-in's sampled call -- with its one host read of the flags -- gave 8-60 % fewer
+    tokens/s than vLLM's own chain; greedy steps stay sharded at every TP (faster there).
+
+    Raises:
+        ValueError: any other value (named, with the accepted ones).
+    """
+    raw = os.environ.get(ENV_SAMPLED, "auto").strip().lower() or "auto"
+    if raw in ("true", "on", "yes"):
+        raw = "1"
+    if raw in ("false", "off", "no"):
+        raw = "0"
+    if raw not in SAMPLED_ROUTING:
+        raise ValueError(
+            f"{ENV_SAMPLED}={os.environ.get(ENV_SAMPLED)!r}: expected one of {SAMPLED_ROUTING}"
+        )
+    return raw == "1" or (raw == "auto" and tp > 1)
 
 
 def resolver() -> Any:
