@@ -341,3 +341,20 @@ def test_phase1_launch_of_a_table_row() -> None:
 def test_sm90_table_carries_the_measured_choice() -> None:
     sel = dispatch.select(dispatch.Problem("sampled", "bf16", 2, 96, 100032, 16, arch="sm90"))
     assert sel.phases == 2 and sel.is_tuned
+
+
+def test_draw_launch_builtin_rule() -> None:
+    """About DRAW_TARGET_PROGRAMS programs over the drawing requests, at most MAX_DRAW_SPLITS per
+    request and one tile each at least (measured: SAMPLED.md's draw table); one on a CPU."""
+    from shardmax.ops.sampled import draw_launch
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    bf16 = torch.bfloat16
+    assert draw_launch(bf16, 1, 200064, 200064, cuda).splits == 64  # 97 tiles
+    assert draw_launch(bf16, 1, 100032, 100032, cuda).splits == 32  # 48 tiles
+    assert draw_launch(bf16, 24, 100032, 100032, cuda).splits == 32  # cdiv(1056, 24) = 44
+    assert draw_launch(bf16, 128, 100032, 100032, cuda).splits == 8
+    assert draw_launch(bf16, 1, 1000, 1024, cuda).splits == 1
+    assert draw_launch(bf16, 1, 200064, 200064, cpu).splits == 1
+    launch = draw_launch(bf16, 3, 50000, 50016, cuda, splits=5)
+    assert launch.splits == 5 and launch.chunk % 2048 == 0 and launch.chunk * 5 >= 50000

@@ -311,13 +311,14 @@ def draw_launch(
 ) -> DrawLaunch:
     """The built-in rule of the draw kernel (:mod:`shardmax.runtime.defaults`): block
     :data:`DEFAULT_RECORD_BLOCK`, about ``DRAW_TARGET_PROGRAMS`` programs over the drawing requests on
-    a GPU (1 per request on a CPU) unless ``splits`` fixes the programs per request,
+    a GPU (1 per request on a CPU; at most :data:`MAX_DRAW_SPLITS` per request, one tile each at
+    least) unless ``splits`` fixes the programs per request,
     :data:`DRAW_WARPS` warps. ``width`` is the padded shard width (the same on every rank, so is
     the split count), ``num_valid`` this rank's real columns."""
     if splits is None:
         target = DRAW_TARGET_PROGRAMS if device.type == "cuda" else 1
         splits = default_record_splits(
-            num_reqs, width, DEFAULT_RECORD_BLOCK, target, MAX_DRAW_SPLITS
+            num_reqs, width, DEFAULT_RECORD_BLOCK, target, MAX_DRAW_SPLITS, min_tiles=1
         )
     chunk = triton.cdiv(triton.cdiv(num_valid, splits), DEFAULT_RECORD_BLOCK) * DEFAULT_RECORD_BLOCK
     name = build_name(

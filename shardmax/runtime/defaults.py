@@ -41,7 +41,10 @@ DRAW_WARPS = 8
 """Warps of the two-phase step's draw kernel (``sampled_draw_*``), built-in."""
 MAX_DRAW_SPLITS = 128
 """Most programs per drawing request of the draw kernel: a step of a few requests still fills
-the GPU (one request's row spread over up to 128 programs)."""
+the GPU (one request's row spread over up to 128 programs, one tile each at least). Measured
+(H200, ``benchmarks/results/sm90/SAMPLED.md``, "Draw programs per request"): at 1-2 drawing
+requests 32-64 programs per request beat the old cap of 16-32 by 2-5 us; from 64 requests on
+the count follows ``DRAW_TARGET_PROGRAMS``."""
 DRAW_TARGET_PROGRAMS = 1056
 """Programs of the draw kernel over a step's drawing requests (about 8 per SM of a 132-SM
 GPU): each element carries a hash and two logs, so the draw wants more programs in flight than
@@ -55,16 +58,21 @@ monolithic kernel. The nucleus guard models the one vLLM would run."""
 
 
 def default_record_splits(
-    rows: int, width: int, block: int, target_programs: int, most: int = MAX_RECORD_SPLITS
+    rows: int,
+    width: int,
+    block: int,
+    target_programs: int,
+    most: int = MAX_RECORD_SPLITS,
+    min_tiles: int = 2,
 ) -> int:
     """Programs per row of the record kernel (a power of two): about ``target_programs``
     programs in all, at most ``most`` (:data:`MAX_RECORD_SPLITS`; the draw kernel's
-    :data:`MAX_DRAW_SPLITS`), and at least two tiles of ``block`` columns per split. ``width``
-    is the padded shard width, the same on every rank (so is the result, as the all_gather
-    needs)."""
+    :data:`MAX_DRAW_SPLITS`), and at least ``min_tiles`` tiles of ``block`` columns per split
+    (the draw: 1). ``width`` is the padded shard width, the same on every rank (so is the
+    result, as the all_gather needs)."""
     if rows <= 0:
         return 1
-    cap = min(triton.cdiv(target_programs, rows), max(1, width // (2 * block)))
+    cap = min(triton.cdiv(target_programs, rows), max(1, width // (min_tiles * block)))
     s = 1
     while s * 2 <= min(cap, most):
         s *= 2
