@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if name in ("one_pass", "two_phase", "greedy", "vllm_cols") and not args.no_profile:
                     for kname, us in _kernels(step).items():
                         out.append(dict(common, method=name, kernel=kname, p50_us=round(us, 2)))
-            if not _same(results["one_pass"], results["two_phase"]):
+            if not _agree(results["one_pass"], results["two_phase"]):
                 print(f"!! tp={tp} rows={rows}: one_pass != two_phase", flush=True)
                 out[-1]["note"] = "ONE_PASS_DIFFERS"
     return out

@@ -237,7 +237,7 @@ def test_sampled_gate_accepts_and_rejects(monkeypatch):
 def test_sampled_cli_sweep(tmp_path, capsys):
     pytest.importorskip("optuna")
     out = tmp_path / "out"
-    argv = ["--op", "sampled", "--tp", "2", "--rows", "1", "--n-trials", "2", "--no-progress",
+    argv = ["--op", "sampled", "--tp", "2", "--rows", "1", "--n-trials", "1", "--no-progress",
             "--no-plot", "--studies-dir", str(tmp_path / "s"), "--out", str(out), "--write-table",
             "--top-k-max", "64"]  # fmt: skip
     assert tuner_main(argv) == 0

@@ -1,8 +1,10 @@
 """Two-phase sampled verification (issue 22): records without noise, one drawing row per request.
 
 A two-phase step must give exactly what the one-pass step gives -- every output, flags and
-reasons included, bit for bit -- and, on every request it does not flag, exactly the plain-torch
-reference (:func:`shardmax.reference.sampled.verify_sampled`). Covered here: TP 1/2/3/4/8, the
+reasons included, bit for bit, except that in fast mode a request on the interval test's edge
+may be flagged LSE_MARGIN by one and not the other (the fp32 sums are summed in different
+orders) -- and, on every request it does not flag, exactly the plain-torch reference
+(:func:`shardmax.reference.sampled.verify_sampled`). Covered here: TP 1/2/3/4/8, the
 three logits dtypes, fp32 / fp64 Gumbel, fast / strict mode, several record and draw programs per
 row (the last split short or empty), placeholders, chunked prefill, synthetic acceptance, NaN and
 all ``-inf`` rows, a Gumbel-key tie planted across a shard edge, empty and all-greedy batches,
@@ -46,12 +48,24 @@ def _both(batch, temps, tp: int, **kw):
     return one, two, want
 
 
-def _assert_same(one, two, want) -> None:
+def _assert_equal_off_the_margin(one, two) -> None:
+    """Every output of every request equal, bit for bit -- except requests either run flags
+    LSE_MARGIN: phase 1 and one pass sum their fp32 exponentials in different orders (research
+    §2.3: any order), so in fast mode a row on the interval test's edge may be flagged by one and
+    not the other (strict mode has no such flag: there everything is equal)."""
+    margin = (one.reason == FallbackReason.LSE_MARGIN) | (two.reason == FallbackReason.LSE_MARGIN)
     for name, a, b in zip(one._fields, one, two, strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: one-pass {a} two-phase {b}"
-    ok = ~two.fallback
-    for a, w in zip(two[:3], want, strict=True):
-        assert torch.equal(a[ok], w[ok])
+        assert a.dtype == b.dtype and torch.equal(a[~margin], b[~margin]), (
+            f"{name}: one-pass {a} two-phase {b}"
+        )
+
+
+def _assert_same(one, two, want) -> None:
+    _assert_equal_off_the_margin(one, two)
+    for res in (one, two):  # every request a run does not flag: the reference's answer
+        ok = ~res.fallback
+        for a, w in zip(res[:3], want, strict=True):
+            assert torch.equal(a[ok], w[ok])
 
 
 CASES = [
@@ -91,7 +105,7 @@ def test_non_finite_rows_without_a_draft(tp, fp64) -> None:
     """Phase 1 does not read rows without a draft (bonus rows): a drawn bonus row with NaN,
     +inf or no finite logit is flagged by the pick exactly as the one-pass finish flags it, and
     an undrawn one (an earlier draft rejected) flags nothing."""
-    batch, temps = _batch(12, 3, 3001, seed=11, prefill_prob=0.0, placeholder_prob=0.0)
+    batch, temps = _batch(12, 3, 1501, seed=11, prefill_prob=0.0, placeholder_prob=0.0)
     temps[:] = 1.0
     cu = batch.cu_num_logits.long().tolist()
     with_drafts = [r for r in range(12) if cu[r + 1] - cu[r] >= 2]
@@ -104,7 +118,7 @@ def test_non_finite_rows_without_a_draft(tp, fp64) -> None:
     bonus = [cu[r + 1] - 1 for r in with_drafts]
     batch.logits[bonus[0], :] = -math.inf  # no finite logit
     batch.logits[bonus[1], 17] = math.nan
-    batch.logits[bonus[2], 2999] = math.inf
+    batch.logits[bonus[2], 1499] = math.inf
     batch.logits[bonus[4], 5] = math.nan  # its first draft is rejected: the bonus row is unused
     one, two, want = _both(batch, temps, tp, use_fp64_gumbel=fp64, record_splits=2)
     _assert_same(one, two, want)
@@ -121,8 +135,8 @@ def test_many_draw_splits_pack_fewer_requests_per_pick() -> None:
     from shardmax.ops.sampled import pick_requests
 
     assert [pick_requests(p) for p in (1, 8, 64, 100, 1024)] == [32, 32, 32, 16, 2]
-    batch, temps = _batch(9, 3, 1601, seed=21, dtype=torch.bfloat16)
-    one, two, want = _both(batch, temps, 8, draw_splits=100)
+    batch, temps = _batch(3, 3, 801, seed=21, dtype=torch.bfloat16)
+    one, two, want = _both(batch, temps, 4, draw_splits=40)  # 160 parts: 8 requests per pick
     _assert_same(one, two, want)
 
 
@@ -207,7 +221,8 @@ _GPU_CASES = [(8, 151936, 2), (8, 200064, 8), (40, 151936, 4), (40, 200064, 2), 
 @pytest.mark.parametrize("case", _GPU_CASES, ids=[f"{r}req-V{v}-tp{t}" for r, v, t in _GPU_CASES])
 def test_two_phase_equals_vllm_on_gpu(case) -> None:
     """Realistic T=1 steps (LM entropy profile, drafts the top token 80 % of the time), emulated
-    TP, the GPU's draw launch: two-phase == one-pass bit for bit, each call twice bit-identical,
+    TP, the GPU's draw launch: two-phase == one-pass bit for bit off the LSE margin
+    (:func:`_assert_equal_off_the_margin`), each call twice bit-identical,
     and every request shardmax does not flag == every carried vLLM version's own chain
     (``rejection_sample`` on the full logits), fast and strict mode."""
     from shardmax.testing.traffic import realistic_batch
@@ -230,8 +245,7 @@ def test_two_phase_equals_vllm_on_gpu(case) -> None:
             )
             for name, a, c in zip(two._fields, two, again, strict=True):
                 assert torch.equal(a, c), f"two-phase not deterministic: {name}"
-            for name, a, c in zip(one._fields, one, two, strict=True):
-                assert torch.equal(a, c), f"{name}: one-pass {a} two-phase {c}"
+            _assert_equal_off_the_margin(one, two)
             ok = ~two.fallback
             flagged += int((~ok).sum())
             for chain in chains:
@@ -305,7 +319,33 @@ def test_phases_from_a_measured_benchmark(tmp_path) -> None:
     assert out["provenance"]["phases"]["exchange_source"] == "step.csv"
     with pytest.raises(ValueError, match="sampled"):
         apply_phases({"op": "verify", "rows": []}, measured, "x.csv")
+    with pytest.raises(ValueError, match="no op, path column"):
+        exchange_latency(path)  # a sampled_local CSV, not a step CSV
+    step.write_text("rows,op,path,p50_us\n4,verify,plain,9\n")
     with pytest.raises(ValueError, match="floor_allreduce"):
+        exchange_latency(step)
+
+
+def test_phases_csv_defects_raise_naming_the_file(tmp_path) -> None:
+    """A truncated sweep row (no note) is not taken, a NaN time is no measurement, a missing
+    column or a non-number raises ValueError naming the file -- never AttributeError/KeyError."""
+    from tuner.phases import exchange_latency, measured_phases
+
+    path = tmp_path / "s.csv"
+    path.write_text(
+        "tp,rows,method,kernel,p50_us,note\n2,96,one_pass,,50,\n2,96,two_phase,,30,\n"
+        "2,96,two_phase_p1_b4096_s4_w8,,20\n2,96,two_phase_p1_b2048_s4_w8,,nan,agrees\n"
+    )
+    got = measured_phases(path)[(2, 96)]
+    assert got.two_phase == 30.0 and got.phase1 is None
+    for text, msg in (("rows,method,p50_us\n4,one_pass,1\n", "no tp column"),
+                      ("tp,rows,method,p50_us\nx,4,one_pass,1\n", "tp='x'"),
+                      ("tp,rows,method,p50_us\n,4,one_pass,1\n", "tp=''")):  # fmt: skip
+        path.write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            measured_phases(path)
+    path.write_text("op,path,p50_us\ncollective,floor_allreduce_int64,3\n")
+    with pytest.raises(ValueError, match="no rows column"):
         exchange_latency(path)
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -65,14 +66,44 @@ def exchange_latency(csv_path: Path) -> dict[int, float]:
         ValueError: the CSV has no such rows.
     """
     out: dict[int, float] = {}
-    with csv_path.open() as f:
-        for r in csv.DictReader(f):
-            floor = r.get("op") == "collective" and r.get("path") == "floor_allreduce_int64"
-            if floor and r.get("p50_us"):
-                out[int(r["rows"])] = float(r["p50_us"])
+    for r in _rows(csv_path, ("op", "path", "rows", "p50_us")):
+        if r["op"] == "collective" and r["path"] == "floor_allreduce_int64":
+            us = _number(csv_path, r, "p50_us", float)
+            if us is not None:
+                out[_number(csv_path, r, "rows", int, required=True)] = us
     if not out:
         raise ValueError(f"{csv_path}: no collective/floor_allreduce_int64 measurements")
     return out
+
+
+def _rows(csv_path: Path, need: tuple[str, ...]) -> list[dict[str, str]]:
+    """The CSV's rows (missing trailing fields read as ""); ValueError naming the file when a
+    column of ``need`` is absent."""
+    with csv_path.open() as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in need if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(f"{csv_path}: no {', '.join(missing)} column (a benchmarks CSV?)")
+        return [{k: v or "" for k, v in r.items() if k is not None} for r in reader]
+
+
+def _number(
+    csv_path: Path, r: dict[str, str], field: str, kind: Any, *, required: bool = False
+) -> Any:
+    """``kind(r[field])``; None for an empty or non-finite value (a measurement that did not
+    happen) unless ``required``. ValueError naming the file, field and value otherwise."""
+    raw = r.get(field, "")
+    if raw == "" and not required:
+        return None
+    try:
+        v = kind(raw)
+    except ValueError:
+        raise ValueError(f"{csv_path}: {field}={raw!r} is not a number") from None
+    if kind is float and not math.isfinite(v):
+        if required:
+            raise ValueError(f"{csv_path}: {field}={raw!r} is not finite")
+        return None
+    return v
 
 
 def _nearest(by_rows: dict[int, float], rows: int) -> float:
@@ -91,18 +122,19 @@ def measured_phases(
     """
     p50: dict[tuple[int, int, str], float] = {}
     sweep: dict[tuple[int, int], list[tuple[float, dict[str, int]]]] = {}
-    with csv_path.open() as f:
-        for r in csv.DictReader(f):
-            if r.get("kernel") or not r.get("p50_us"):
-                continue
-            key, method = (int(r["tp"]), int(r["rows"])), r.get("method", "")
-            if method in ("one_pass", "two_phase"):
-                p50[(*key, method)] = float(r["p50_us"])
-            hit = _SWEEP.match(method)
-            if hit and r.get("note", "agrees").startswith("agrees"):
-                b, s, w = (int(g) for g in hit.groups())
-                launch = {"block": b, "splits": s, "num_warps": w}
-                sweep.setdefault(key, []).append((float(r["p50_us"]), launch))
+    for r in _rows(csv_path, ("tp", "rows", "method", "p50_us")):
+        us = _number(csv_path, r, "p50_us", float)
+        if r.get("kernel") or us is None:
+            continue
+        tp = _number(csv_path, r, "tp", int, required=True)
+        key, method = (tp, _number(csv_path, r, "rows", int, required=True)), r["method"]
+        if method in ("one_pass", "two_phase"):
+            p50[(*key, method)] = us
+        hit = _SWEEP.match(method)
+        if hit and (r.get("note") or "").startswith("agrees"):
+            b, s, w = (int(g) for g in hit.groups())
+            launch = {"block": b, "splits": s, "num_warps": w}
+            sweep.setdefault(key, []).append((us, launch))
     out = {}
     for (tp, rows, m), one in p50.items():
         if m != "one_pass" or (tp, rows, "two_phase") not in p50:
