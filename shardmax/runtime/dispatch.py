@@ -422,9 +422,10 @@ def override(**fields: Any) -> Iterator[None]:
     keyword (``transport``, ``splits``, ``num_warps``, ``num_stages``, ``candidates``,
     ``phases``) replaces
     that launch parameter; forcing ``variant``, ``splits`` or ``num_warps`` also drops a table
-    row's ``phase1`` launch (the forced launch runs phase 1 as well). The override applies to every op's selection, so force a variant of
-    one op only inside calls of that op. Forced selections report ``is_tuned=False`` and
-    ``source="override"``. Not thread-safe; every rank must enter the same override.
+    row's ``phase1`` launch (the forced launch runs phase 1 as well). The override applies to
+    every op's selection, so force a variant of one op only inside calls of that op. Forced
+    selections report ``is_tuned=False`` and ``source="override"``. Not thread-safe; every rank
+    must enter the same override.
     """
     global _override
     unknown = set(fields) - set(_OVERRIDE_FIELDS)
