@@ -12,8 +12,12 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
      fp32 copy where a request needs processing, vLLM's temperature / top-k / top-p kernels,
      ``rejection_sample``, ``get_num_sampled_and_rejected``; at TP > 1 after the full-logits
      all-gather);
-   * ``shardmax``: what the plug-in runs (``shardmax.integrations.vllm.step``): the step's host
-     checks (``check_step_batch``), the shard's cached plan, ``plan.run`` -- no host sync;
+   * ``shardmax``: what the plug-in runs at TP 1 (``shardmax.integrations.vllm.step``): the
+     step's host checks (``check_step_batch``), the shard's cached plan, its run replayed from a
+     CUDA graph (``shard.graphed(plan).run``: one table copy and one graph launch) -- no host
+     sync;
+   * ``shardmax-eager``: the same with the plan's launches made eagerly (``plan.run``: the
+     plug-in's call at TP > 1 by default, and strict mode's);
    * ``shardmax+resolve``: what the plug-in runs on a sampled step: the same, one host read of
      the flags (a sync) and the flagged requests resolved per request
      (:mod:`shardmax.ops.resolve`: their rows gathered, vLLM's own kernels on them with the
@@ -91,11 +95,16 @@ def _forward_graph(target_us: float) -> tuple[torch.cuda.CUDAGraph, float]:
 
 
 def _shardmax_step(
-    traffic: Any, mix: str, prefill: Any, resolve: tuple[Any, dict[str, Any]] | None = None
+    traffic: Any,
+    mix: str,
+    prefill: Any,
+    resolve: tuple[Any, dict[str, Any]] | None = None,
+    graphed: bool = True,
 ) -> Callable[[], Any]:
     """The plug-in's verification call on one rank (TP 1: the shard is the whole vocabulary):
-    the step's host checks, the shard's cached plan, ``plan.run``; with ``resolve = (chain,
-    verify_inputs)`` also the flagged requests resolved per request. Returns the result."""
+    the step's host checks, the shard's cached plan, its run (from the plan's CUDA graphs when
+    ``graphed``, else ``plan.run``); with ``resolve = (chain, verify_inputs)`` also the flagged
+    requests resolved per request. Returns the result."""
     from shardmax.ops.resolve import apply_resolved, flagged_requests, gather_rows, request_rows
     from shardmax.plan import VocabShard
     from shardmax.runtime.validation import check_step_batch
@@ -114,9 +123,14 @@ def _shardmax_step(
             t.expanded_local_pos, t.seed, t.num_speculative_steps, None, seq_lens, prefill_len,
             temperature=t.temperature if sampled else None, top_p=t.top_p,
         )  # fmt: skip
+        plan = (
+            shard.verify(rows, with_candidates=t.top_p is not None)
+            if sampled
+            else shard.greedy_verify(rows)
+        )
+        res = shard.graphed(plan).run(logits, batch) if graphed else plan.run(logits, batch)
         if not sampled:
-            return shard.greedy_verify(rows).run(logits, batch)
-        res = shard.verify(rows, with_candidates=t.top_p is not None).run(logits, batch)
+            return res
         if resolve is not None:
             chain, kw = resolve
             req, _ = flagged_requests(res)  # the plug-in's one host read
@@ -303,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill = (kw["seq_lens"], kw["prefill_len"]) if kw is not None else (None, None)
             paths: dict[str, Callable[[], Any]] = {
                 "shardmax": _shardmax_step(traffic, mix, prefill),
+                "shardmax-eager": _shardmax_step(traffic, mix, prefill, graphed=False),
             }
             if chain is not None and kw is not None:
                 if mix != "greedy":
@@ -329,13 +344,17 @@ def main(argv: list[str] | None = None) -> int:
                        "steps": args.steps, "forward_us": round(forward_us, 1),
                        "note": note if path == "vllm" else ""}  # fmt: skip
                 row.update(_measure(step, forward, args.steps, reqs))
-                row["gpu_us_graph"] = _graph_gpu_us(step)
+                # a replayed step cannot be captured again: its GPU time is the loop's
+                row["gpu_us_graph"] = "replayed" if path == "shardmax" else _graph_gpu_us(step)
                 row["host_sync"] = _syncs(step)
                 row["fallback_rate"] = ""
                 if path == "shardmax+resolve":
                     row["note"] = resolved_note
                 if path == "shardmax" and same:
-                    row["note"] = same
+                    eager = paths["shardmax-eager"]()
+                    ours = paths["shardmax"]()
+                    bitwise = all(torch.equal(a, b) for a, b in zip(ours, eager, strict=True))
+                    row["note"] = f"{same}; replay == eager launches bit for bit: {bitwise}"
                     res = paths["shardmax"]()
                     if hasattr(res, "fallback"):
                         row["fallback_rate"] = float(res.fallback.float().mean())

@@ -102,9 +102,18 @@ def strict_variants() -> Iterator[VariantKey]:
     yield VariantKey("strict_lse")
 
 
+def graph_variants() -> Iterator[VariantKey]:
+    """A step replayed from a CUDA graph (:mod:`shardmax.runtime.graphs`): the byte copies
+    between the addresses of the step's argument table."""
+    yield VariantKey("table_copy")
+
+
 def all_variants() -> list[VariantKey]:
     """Every variant, in a fixed order (the MANIFEST order)."""
-    return [*local_variants(), *finish_variants(), *sampled_variants(), *strict_variants()]
+    return [
+        *local_variants(), *finish_variants(), *sampled_variants(), *strict_variants(),
+        *graph_variants(),
+    ]  # fmt: skip
 
 
 TEMPLATE_OF_FAMILY = {
@@ -121,6 +130,7 @@ TEMPLATE_OF_FAMILY = {
     "strict_rebuild": "strict_rebuild.py.j2",
     "strict_replay": "strict_replay.py.j2",
     "strict_lse": "strict_lse.py.j2",
+    "table_copy": "table_copy.py.j2",
 }
 
 
@@ -137,7 +147,13 @@ def template_context(key: VariantKey) -> dict[str, object]:
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align)
     elif key.family == "strict_replay":
         ctx.update(align=key.align)
-    elif key.family not in ("sampled_pick", "sampled_merge", "row_params", "strict_lse"):
+    elif key.family not in (
+        "sampled_pick",
+        "sampled_merge",
+        "row_params",
+        "strict_lse",
+        "table_copy",
+    ):
         ctx.update(
             transport=key.transport,
             tp=key.tp,

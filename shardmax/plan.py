@@ -22,6 +22,13 @@ before capturing (or give captured steps a shard of their own). Plans are cached
 for the plan of a shape again costs a dictionary lookup. Runs of one shard's plans must be
 ordered on one stream; a plan's outputs are new tensors that the caller may keep.
 
+For an engine that calls verification eagerly (vLLM's model runner V2), :meth:`VocabShard.graphed`
+wraps a plan's ``run`` in CUDA-graph replay (:mod:`shardmax.runtime.graphs`): the same outputs,
+bit for bit, for one table copy and one graph launch of host time per step::
+
+    step = shard.graphed(shard.greedy_verify(num_logits))
+    sampled, num_sampled, num_rejected = step.run(local_logits, batch)   # every step
+
 Value checks (the syncing ones of :mod:`shardmax.runtime.validation`) are not run by ``run``:
 call :func:`shardmax.runtime.validation.check_batch_values` yourself where you need them (the
 functional ops :func:`shardmax.sharded_verify` etc. do, by default).
@@ -40,6 +47,7 @@ from shardmax.ops.sampled import RecordLaunch, SampledVerifyPlan
 from shardmax.runtime.collectives import resolve
 from shardmax.runtime.dispatch import override_key
 from shardmax.runtime.geometry import Geometry, exchange_geometry
+from shardmax.runtime.graphs import GraphedStep
 from shardmax.runtime.keys import MAX_VOCAB
 from shardmax.runtime.shard import ShardContext, canonical_device
 from shardmax.runtime.validation import (
@@ -115,6 +123,7 @@ class VocabShard:
             )
         self.ctx = ShardContext(coll, geometry, coll.rank, dev)
         self._plans: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._graphed: dict[int, GraphedStep] = {}
 
     @property
     def geometry(self) -> Geometry:
@@ -139,7 +148,8 @@ class VocabShard:
             plan = make()
             self._plans[key] = plan
             if len(self._plans) > MAX_PLANS:
-                self._plans.popitem(last=False)
+                _, old = self._plans.popitem(last=False)
+                self._graphed.pop(id(old), None)
         else:
             self._plans.move_to_end(key)
         return plan
@@ -197,3 +207,19 @@ class VocabShard:
                 with_candidates=with_candidates, processed=processed, launch=launch,
             ),
         )  # fmt: skip
+
+    def graphed(self, plan: GreedyVerifyPlan | SampledVerifyPlan) -> GraphedStep:
+        """The CUDA-graph replay of one of this shard's verification plans (one per plan, kept
+        while the plan is): :class:`~shardmax.runtime.graphs.GraphedStep`, whose ``run(
+        local_logits, batch)`` returns what ``plan.run`` returns, bit for bit.
+
+        Raises:
+            ValueError: a plan of another shard, or one that cannot be replayed (the plain
+                path, strict mode: :meth:`GraphedStep.unsupported`).
+        """
+        if getattr(plan, "ctx", None) is not self.ctx:
+            raise ValueError(f"plan: {type(plan).__name__} was not made by this shard")
+        got = self._graphed.get(id(plan))
+        if got is None or got.plan is not plan:
+            got = self._graphed[id(plan)] = GraphedStep(plan)
+        return got

@@ -812,3 +812,31 @@ def test_sampled_routing_rejects_other_values(monkeypatch):
     monkeypatch.setenv(step.ENV_SAMPLED, "sometimes")
     with pytest.raises(ValueError, match="SHARDMAX_VLLM_SAMPLED='sometimes'"):
         step.sampled_routing(2)
+
+
+@pytest.mark.parametrize(
+    ("value", "tp1", "tp2"),
+    [(None, True, False), ("auto", True, False), ("1", True, True), ("yes", True, True),
+     ("0", False, False), ("off", False, False)],
+)  # fmt: skip
+def test_graph_replay_by_tp_and_device(monkeypatch, value, tp1, tp2):
+    """Steps replay their plan's CUDA graphs on CUDA devices at TP 1 by default (TP > 1 waits for
+    a multi-GPU check of the captured all_gather); ``SHARDMAX_VLLM_GRAPHS`` forces either way;
+    never on the CPU (no graphs there)."""
+    from shardmax.integrations.vllm import step
+
+    if value is None:
+        monkeypatch.delenv(step.ENV_GRAPHS, raising=False)
+    else:
+        monkeypatch.setenv(step.ENV_GRAPHS, value)
+    cuda = torch.device("cuda", 0)
+    assert step.graph_replay(1, cuda) is tp1 and step.graph_replay(2, cuda) is tp2
+    assert not step.graph_replay(1, torch.device("cpu"))
+
+
+def test_graph_replay_rejects_other_values(monkeypatch):
+    from shardmax.integrations.vllm import step
+
+    monkeypatch.setenv(step.ENV_GRAPHS, "sometimes")
+    with pytest.raises(ValueError, match="SHARDMAX_VLLM_GRAPHS='sometimes'"):
+        step.graph_replay(1, torch.device("cuda", 0))

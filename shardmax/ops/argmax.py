@@ -18,6 +18,7 @@ import triton
 
 from shardmax.runtime import kernels
 from shardmax.runtime.dispatch import PLAIN, Problem, Selection, alignment_of_stride, select
+from shardmax.runtime.indirect import logits_arg
 from shardmax.runtime.shard import ShardContext
 from shardmax.runtime.variants import parse_name
 
@@ -49,15 +50,17 @@ def shard_keys(
         return keys
     k = kernels.kernel(sel.variant)
     kernels.check_device(local_logits)
+    arg, indirect = logits_arg(local_logits)
     k(
         (rows, sel.splits),
-        local_logits,
+        arg,
         keys,
         local_logits.stride(0),
         vocab_start,
         num_valid,
         chunk_for(num_valid, sel.splits, k.module.BLOCK),
         BLOCK=k.module.BLOCK,
+        INDIRECT=indirect,
         num_warps=int(sel.launch.get("num_warps", 4)),
         num_stages=int(sel.launch.get("num_stages", 2)),
     )

@@ -65,6 +65,7 @@ from shardmax.runtime.defaults import (
     default_record_splits,
 )
 from shardmax.runtime.dispatch import Problem, Selection, select
+from shardmax.runtime.indirect import logits_arg
 from shardmax.runtime.shard import ShardContext
 from shardmax.runtime.validation import SUPPORTED_DTYPES, StepBatch
 from shardmax.runtime.variants import VariantKey, build_name, finish_variant, parse_name
@@ -446,9 +447,10 @@ def sampled_records(
     splits, c = launch.splits, launch.candidates
     n_rec = splits * rows * (record_words(use_fp64_gumbel) + with_candidates)
     chunk = triton.cdiv(triton.cdiv(num_valid, splits), k.module.BLOCK) * k.module.BLOCK
+    arg, indirect = logits_arg(local_logits)
     k(
         (rows, splits),
-        local_logits,
+        arg,
         buf,
         buf[n_rec:] if with_candidates else buf,
         scratch if scratch is not None else buf,
@@ -468,6 +470,7 @@ def sampled_records(
         GROUPS=selection_groups(c),
         NETWORK=sorting_network(local_logits.device),
         NOISE=not two_phase,
+        INDIRECT=indirect,
         num_warps=launch.num_warps,
     )
 
@@ -628,9 +631,10 @@ def draw_keys(
     if num_reqs == 0:
         return
     k = kernels.kernel(launch.variant)
+    arg, indirect = logits_arg(local_logits)
     k(
         (num_reqs, launch.splits),
-        local_logits,
+        arg,
         keys,
         draw,
         params.temperature,
@@ -644,6 +648,7 @@ def draw_keys(
         local_logits.shape[0],
         BLOCK=k.module.BLOCK,
         FP64=use_fp64_gumbel,
+        INDIRECT=indirect,
         num_warps=launch.num_warps,
     )
 

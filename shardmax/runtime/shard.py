@@ -11,11 +11,13 @@ plans never use the workspace at the same time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from shardmax.runtime.collectives import Collective
 from shardmax.runtime.geometry import Geometry
+from shardmax.runtime.indirect import IndirectLogits
 from shardmax.runtime.validation import SUPPORTED_DTYPES
 
 
@@ -31,18 +33,24 @@ def canonical_device(device: torch.device | str) -> torch.device:
 class Workspace:
     """Named device buffers that grow to the largest request and are shared by every plan of a
     :class:`ShardContext`. ``generation`` changes whenever a buffer is reallocated, so a plan
-    that keeps views re-takes them (:meth:`views`)."""
+    that keeps views re-takes them (:meth:`views`). Once a CUDA graph has been captured on the
+    workspace (:attr:`captured`), a replaced buffer is kept (:attr:`retired`): the graph still
+    reads and writes it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.generation = 0
         self._bufs: dict[str, torch.Tensor] = {}
+        self.retired: list[torch.Tensor] = []
+        self.captured = False
 
     def reserve(self, name: str, nbytes: int) -> None:
         """Make buffer ``name`` at least ``nbytes`` long (a new generation if it grew)."""
         cur = self._bufs.get(name)
         if cur is not None and cur.numel() >= nbytes:
             return
+        if cur is not None and self.captured:
+            self.retired.append(cur)
         self._bufs[name] = torch.empty(max(nbytes, 8), dtype=torch.uint8, device=self.device)
         self.generation += 1
 
@@ -109,14 +117,16 @@ class ShardContext:
     def dtype_name(self) -> str:
         return SUPPORTED_DTYPES[self.geometry.dtype]
 
-    def check_logits(self, logits: object, rows: int, row_stride: int) -> torch.Tensor:
+    def check_logits(self, logits: object, rows: int, row_stride: int) -> Any:
         """Host checks of a plan's input against the plan: ``[rows, W]`` of the shard's dtype on
-        its device, last dim contiguous, row stride ``row_stride`` (when rows > 1).
+        its device, last dim contiguous, row stride ``row_stride`` (when rows > 1). Returns
+        ``logits``: a tensor, or inside a step replayed from a CUDA graph its
+        :class:`~shardmax.runtime.indirect.IndirectLogits` stand-in (same shape, stride, dtype).
 
         Raises:
             TypeError / ValueError naming ``local_logits`` and what the plan expected.
         """
-        if not isinstance(logits, torch.Tensor):
+        if not isinstance(logits, (torch.Tensor, IndirectLogits)):
             raise TypeError(f"local_logits: expected a torch.Tensor, got {type(logits).__name__}")
         if (
             logits.shape != (rows, self.width)

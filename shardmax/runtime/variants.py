@@ -20,6 +20,7 @@ fixed order and are present only when the family has that axis::
     strict_rebuild_bf16_va16        strict mode: the blocks cut by shard edges, from raw pieces
     strict_replay_va1               strict mode: the blocks of top-k/top-p/min-p kept sets
     strict_lse                      strict mode: vLLM's cross-block LSE combine
+    table_copy                      a replayed step's byte copies between table-held addresses
 
 ``tp`` is ``2``, ``4`` or ``8`` (the loop over ranks is unrolled) or ``n`` (any TP size,
 non-powers of two included). Names are valid Python module names.
@@ -45,13 +46,14 @@ FAMILIES = (
     "strict_rebuild",
     "strict_replay",
     "strict_lse",
+    "table_copy",
 )
 TRANSPORTS = ("allgather", "allreduce")
 UNROLLED_TP = (2, 4, 8)
 
 _NAME_RE = re.compile(
     r"^(?P<family>shard_keys|argmax_pick|verify_finish|sampled_record|sampled_finish"
-    r"|sampled_draw|sampled_pick|sampled_merge|row_params|block_stats|strict_rebuild|strict_replay|strict_lse)"
+    r"|sampled_draw|sampled_pick|sampled_merge|row_params|block_stats|strict_rebuild|strict_replay|strict_lse|table_copy)"
     r"(?:_(?P<dtype>bf16|fp16|fp32))?"
     r"(?:_va(?P<align>\d+))?"
     r"(?:_b(?P<block>\d+))?"
@@ -84,7 +86,13 @@ class VariantKey:
                 raise ValueError(f"{self.family} needs dtype and block (no align): {self}")
             if self.tp is not None or self.transport is not None:
                 raise ValueError(f"{self.family} has no tp/transport axis: {self}")
-        elif self.family in ("sampled_pick", "sampled_merge", "row_params", "strict_lse"):
+        elif self.family in (
+            "sampled_pick",
+            "sampled_merge",
+            "row_params",
+            "strict_lse",
+            "table_copy",
+        ):
             if (self.dtype, self.align, self.block, self.tp, self.transport) != (None,) * 5:
                 raise ValueError(f"{self.family} has no axis: {self}")
         elif self.family in ("block_stats", "strict_rebuild"):

@@ -29,6 +29,7 @@ import torch
 from shardmax.integrations.vllm import counters
 
 __all__ = [
+    "ENV_GRAPHS",
     "ENV_NUCLEUS",
     "ENV_RESOLVE",
     "ENV_SAMPLED",
@@ -38,6 +39,7 @@ __all__ = [
     "apply_head",
     "chain_inputs",
     "find_lm_head",
+    "graph_replay",
     "has_nucleus",
     "is_warmup_step",
     "local_verify_inputs",
@@ -288,8 +290,41 @@ def verify_greedy(
     batch = step_batch(runner, input_batch, draft_sampled, pos, prefill_len,
                        local_logits.shape[0], local_logits.device, sampled=False)  # fmt: skip
     plan = shard.greedy_verify(local_logits.shape[0], row_stride=_row_stride(local_logits))
-    sampled, num_sampled, num_rejected = plan.run(local_logits, batch)
+    sampled, num_sampled, num_rejected = _run(shard, plan, local_logits, batch)
     return sampler_output(sampled, num_sampled, num_rejected), num_sampled, num_rejected
+
+
+ENV_GRAPHS = "SHARDMAX_VLLM_GRAPHS"
+GRAPH_ROUTING = ("auto", "1", "0")
+
+
+def graph_replay(tp: int, device: torch.device) -> bool:
+    """Whether a step replays its plan from a CUDA graph (:meth:`shardmax.plan.VocabShard.
+    graphed`) instead of launching it: ``$SHARDMAX_VLLM_GRAPHS`` = ``auto`` (default: on CUDA
+    devices at TP 1), ``1`` (on CUDA devices at every TP) or ``0`` (never). ``auto`` leaves
+    TP > 1 eager until a multi-GPU run has checked capturing vLLM's all_gather inside shardmax's
+    graphs (README "Known limits"); the replay itself is bit-identical to the launches (GPU
+    checks). Strict-mode sampled steps always launch (their kernels read the logits directly).
+
+    Raises:
+        ValueError: any other value (named, with the accepted ones).
+    """
+    raw = os.environ.get(ENV_GRAPHS, "auto").strip().lower() or "auto"
+    raw = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}.get(raw, raw)
+    if raw not in GRAPH_ROUTING:
+        raise ValueError(
+            f"{ENV_GRAPHS}={os.environ.get(ENV_GRAPHS)!r}: expected one of {GRAPH_ROUTING}"
+        )
+    return device.type == "cuda" and (raw == "1" or (raw == "auto" and tp == 1))
+
+
+def _run(shard: Any, plan: Any, local_logits: torch.Tensor, batch: Any) -> Any:
+    """``plan.run`` -- from the plan's CUDA graphs where :func:`graph_replay` says so."""
+    from shardmax.runtime.graphs import GraphedStep
+
+    if graph_replay(shard.ctx.tp, local_logits.device) and GraphedStep.supported(plan):
+        return shard.graphed(plan).run(local_logits, batch)
+    return plan.run(local_logits, batch)
 
 
 def sampled_mode() -> str:
@@ -502,7 +537,7 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
         with_candidates=nucleus, logits_processed=processed if mode == "strict" else False,
         row_stride=_row_stride(local_logits),
     )  # fmt: skip
-    res = plan.run(local_logits, batch)
+    res = _run(shard, plan, local_logits, batch)
     req, codes = flagged_requests(res)
     resolved = 0
     if req.size:

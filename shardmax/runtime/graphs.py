@@ -1,0 +1,276 @@
+"""A plan's run replayed from a CUDA graph: one host copy and one replay per step.
+
+vLLM's model runner V2 calls verification eagerly, so every launch of a plan's ``run`` costs its
+host time (20-30 us per Triton launch on the H200's host, ~100-330 us per step). A captured
+graph replays all of them for ~6 us, but a graph's kernel arguments are fixed at capture while
+the engine hands over new tensors every step. The step's addresses therefore travel through an
+**argument table**, an int64 device tensor the graph reads at replay::
+
+    table[0]                    the local logits' address (the kernels that read the logits
+                                take it from here: their INDIRECT launches)
+    table[1 : 1 + 3 * n_in]     per batch tensor: (its address, the static buffer's, bytes)
+    table[1 + 3 * n_in :]       per output: (the static output's, the caller's tensor's, bytes)
+
+and a captured step is::
+
+    table_copy (batch tensors -> static buffers) -> the plan's launches + collectives on the
+    static buffers, the logits read through table[0] -> table_copy (static outputs -> the
+    tensors the caller gets)
+
+Per step the host writes the table (a numpy array, then one host->device copy), allocates the
+outputs it returns and replays the graph. The logits are never copied: the kernels load their
+address (16-byte aligned, checked here; otherwise the step runs eagerly). The batch tensors
+are copied byte for byte, so the kernels see exactly what the eager ``run`` would.
+
+One :class:`GraphedStep` per plan keeps a graph per *batch signature* (requests, K, each batch
+tensor's presence, dtype and length): a new signature runs eagerly the first time and is
+captured the second (an engine's steady state repeats its shapes), at most
+:data:`MAX_GRAPHS` per plan, least recently used out. Capturing synchronises the device once.
+On the CPU (the Triton interpreter) there is no graph: the same table, copies and indirect
+launches run eagerly, so the CPU tests exercise everything except the capture itself.
+
+Every captured step is bit-identical to the eager ``run`` on the same inputs (the GPU checks
+compare them); the plan must be one whose logits-reading kernels take INDIRECT launches
+(:meth:`GraphedStep.supported`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext as _nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardmax.runtime import kernels
+from shardmax.runtime.indirect import IndirectLogits
+
+MAX_GRAPHS = 32
+"""Captured batch signatures kept per plan (least recently used out)."""
+CAPTURE_AFTER = 2
+"""A batch signature is captured on its ``CAPTURE_AFTER``-th step (the earlier ones run eagerly)."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def batch_signature(batch: Any) -> tuple[Any, ...]:
+    """What a captured graph depends on besides the plan: each field of the
+    :class:`~shardmax.runtime.validation.StepBatch` -- a tensor by its dtype and length (every
+    tensor of a checked batch is contiguous), K and absent tensors (None) as they are."""
+    return tuple((t.dtype, t.shape[0]) if type(t) is torch.Tensor else t for t in batch)
+
+
+class _Captured:
+    """One batch signature of one plan: the table, the static buffers and (on a GPU) the graph."""
+
+    def __init__(self, plan: Any, logits: torch.Tensor, batch: Any) -> None:
+        dev = logits.device
+        self.plan, self.device = plan, dev
+        # the batch's tensors, by position in the StepBatch: the table's input entries
+        self.fields = [i for i, t in enumerate(batch) if type(t) is torch.Tensor]
+        self.n_in = len(self.fields)
+        # static copies of the batch tensors, holding this step's values (the warm-up and the
+        # capture run on them; every index the kernels load is clamped anyway)
+        static = [batch[i].clone() for i in self.fields]
+        self.static_batch = type(batch)(
+            *(static[self.fields.index(i)] if i in self.fields else v for i, v in enumerate(batch))
+        )
+        self.host = np.zeros(1 + 3 * self.n_in, dtype=np.int64)
+        self._host_t = torch.from_numpy(self.host)
+        for j, t in enumerate(static):
+            self.host[2 + 3 * j] = t.data_ptr()
+            self.host[3 + 3 * j] = _nbytes(t)
+        self._static = static  # kept alive: the table points at them
+        plan.ctx.workspace.captured = True  # buffers the graph uses outlive a growth
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: list[torch.Tensor] = []
+        self._set_table(len(self.host))
+        side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(dev))
+        try:
+            with torch.cuda.stream(side) if side is not None else _nullcontext():
+                self._setup(logits, batch)
+        finally:
+            if side is not None:  # the caller's stream waits for the warm-up and the capture
+                torch.cuda.current_stream(dev).wait_stream(side)
+
+    def _setup(self, logits: torch.Tensor, batch: Any) -> None:
+        """Warm-up runs (compile, size the outputs), the full table, the capture on a GPU."""
+        self._fill(logits, batch, ())
+        self._upload()
+        res = self._body(copy_out=False)  # compiles; sizes the outputs
+        self.make: Callable[[list[Any]], Any] = getattr(type(res), "_make", tuple)
+        first = list(res)
+        self.outputs = [torch.empty_like(t) for t in first]
+        n = len(self.host)
+        self.host = np.concatenate([self.host, np.zeros(3 * len(first), dtype=np.int64)])
+        self._host_t = torch.from_numpy(self.host)
+        for j, t in enumerate(first):
+            self.host[n + 3 * j] = t.data_ptr()
+            self.host[n + 3 * j + 2] = _nbytes(t)
+        self._set_table(len(self.host))
+        if self.device.type == "cuda":
+            self._fill(logits, batch, self.outputs)
+            self._upload()
+            self._body(copy_out=True)  # warm-up of the whole step (table_copy compiled)
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outs = list(self._body(copy_out=True))
+            finally:
+                graph.capture_end()
+            for j, t in enumerate(outs):  # the graph's own outputs: the copies' sources
+                self.host[n + 3 * j] = t.data_ptr()
+            self._graph_outputs = outs  # kept alive: the graph writes them
+            self.graph = graph
+        self._first = first  # the interpreter's table points at them until a run
+
+    def _set_table(self, n: int) -> None:
+        self.table = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.indirect = IndirectLogits(
+            self.table, 0, (self.plan.num_logits, self.plan.ctx.width), self.plan.row_stride,
+            self.plan.ctx.dtype,
+        )  # fmt: skip
+
+    def _upload(self) -> None:
+        """The host table to the device, from pageable memory: the driver stages a pageable
+        source into its own pinned buffer before ``cudaMemcpyAsync`` returns and does not wait
+        for the device, so the host table may be rewritten at once (a GPU check enqueues the
+        copy behind milliseconds of work, rewrites the source and reads the copy). 4 us of host
+        time on the H200's host against 10 us for a pinned buffer from torch's caching host
+        allocator. On the CPU the table is written in place."""
+        if self._host_t.device.type == self.table.device.type:
+            self.table.copy_(self._host_t)
+        else:
+            self.table.copy_(self._host_t, non_blocking=True)
+
+    def _body(self, copy_out: bool) -> Any:
+        copy = kernels.kernel("table_copy")
+        if self.n_in:
+            copy((self.n_in,), self.table[1:], BLOCK=1024, num_warps=1)
+        res = self.plan.run(self.indirect, self.static_batch)
+        if copy_out:
+            outs = list(res)
+            n = 1 + 3 * self.n_in
+            if self.graph is None and self.device.type != "cuda":
+                # the interpreter runs the body every step: this run's outputs are the sources
+                tab = self.table.numpy()
+                for j, t in enumerate(outs):
+                    tab[n + 3 * j] = t.data_ptr()
+            copy((len(outs),), self.table[n:], BLOCK=1024, num_warps=1)
+        return res
+
+    def _fill(self, logits: torch.Tensor, batch: Any, outs: Sequence[torch.Tensor]) -> None:
+        h = self.host
+        h[0] = logits.data_ptr()
+        for j, i in enumerate(self.fields):
+            h[1 + 3 * j] = batch[i].data_ptr()
+        base = 2 + 3 * self.n_in
+        for j, t in enumerate(outs):
+            h[base + 3 * j] = t.data_ptr()
+
+    def run(self, logits: torch.Tensor, batch: Any) -> Any:
+        outs = [torch.empty_like(t) for t in self.outputs]
+        self._fill(logits, batch, outs)
+        self._upload()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._body(copy_out=True)
+        return self.make(outs)
+
+
+class GraphedStep:
+    """A plan's ``run(local_logits, batch)`` replayed from CUDA graphs (module docstring).
+
+    Args:
+        plan: a greedy-verification or sampled-verification plan of :mod:`shardmax.ops` whose
+            ``run(local_logits, batch)`` returns a tuple (or NamedTuple) of tensors
+            (:meth:`supported`).
+
+    Raises:
+        ValueError: a plan that cannot be replayed (:meth:`unsupported` says why).
+
+    ``run`` has the plan's contract (no host sync after the capture, outputs are new tensors)
+    and returns what the plan's ``run`` returns, bit for bit. Runs of one shard's plans and
+    graphs must be ordered on one stream.
+    """
+
+    def __init__(self, plan: Any) -> None:
+        reason = self.unsupported(plan)
+        if reason:
+            raise ValueError(f"plan: {reason}")
+        self.plan = plan
+        self._graphs: OrderedDict[tuple[Any, ...], _Captured] = OrderedDict()
+        self._seen: dict[tuple[Any, ...], int] = {}
+        self._failed: set[tuple[Any, ...]] = set()
+
+    @staticmethod
+    def unsupported(plan: Any) -> str:
+        """Why ``plan`` cannot be replayed from a graph ("" when it can): the plain path and
+        strict mode read the logits outside the INDIRECT kernels."""
+        if getattr(plan, "plain", None) is not None:
+            return "the plain path (full-logits gather) reads the logits with torch ops"
+        if getattr(plan, "strict", None) is not None:
+            return "strict mode reads the logits in its block-statistics kernels"
+        if not hasattr(plan, "run"):
+            return f"{type(plan).__name__} has no run()"
+        return ""
+
+    @classmethod
+    def supported(cls, plan: Any) -> bool:
+        return not cls.unsupported(plan)
+
+    def run(self, local_logits: torch.Tensor, batch: Any) -> Any:
+        """The plan's ``run``: eagerly for a new batch signature, from its graph afterwards."""
+        plan = self.plan
+        if (
+            batch.num_reqs == 0
+            or type(local_logits) is not torch.Tensor
+            or (local_logits.is_cuda and torch.cuda.is_current_stream_capturing())
+        ):  # nothing to launch, or inside the caller's own capture: the plan's launches
+            return plan.run(local_logits, batch)
+        plan.ctx.check_logits(local_logits, plan.num_logits, plan.row_stride)
+        if local_logits.data_ptr() % 16:  # the INDIRECT kernels assume 16-byte alignment
+            return plan.run(local_logits, batch)
+        key = batch_signature(batch)
+        got = self._graphs.get(key)
+        if got is not None:
+            self._graphs.move_to_end(key)
+            return got.run(local_logits, batch)
+        seen = self._seen.get(key, 0) + 1
+        if seen < CAPTURE_AFTER:
+            if len(self._seen) >= 4 * MAX_GRAPHS:  # shapes seen once each: forget them
+                self._seen.clear()
+            self._seen[key] = seen
+            return plan.run(local_logits, batch)
+        self._seen.pop(key, None)
+        if key in self._failed:
+            return plan.run(local_logits, batch)
+        try:
+            got = _Captured(plan, local_logits, batch)
+        except Exception as e:  # a launch or collective that cannot be captured: stay eager
+            self._failed.add(key)
+            warnings.warn(
+                f"shardmax: CUDA-graph capture of {type(plan).__name__} failed "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); this batch shape runs "
+                "eagerly",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return plan.run(local_logits, batch)
+        self._graphs[key] = got
+        if len(self._graphs) > MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        return got.run(local_logits, batch)
+
+    @property
+    def num_graphs(self) -> int:
+        """Batch signatures captured (or, on the CPU, set up) so far."""
+        return len(self._graphs)

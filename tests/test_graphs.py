@@ -1,0 +1,345 @@
+"""CUDA-graph replay of verification plans (:mod:`shardmax.runtime.graphs`, issue 19).
+
+CPU (the Triton interpreter): everything but the capture -- the argument table, the byte copies
+of ``table_copy``, the INDIRECT launches of the logits-reading kernels, the outputs copied into
+fresh tensors -- on greedy, temperature and top-p steps whose logits and batch tensors are new
+tensors every step; results ``==`` the plan's own ``run`` on the same inputs, bit for bit.
+Fallbacks (a logits address that is not 16-byte aligned, a step inside someone else's capture),
+refusals (the plain path, strict mode, another shard's plan), the per-signature cache.
+
+GPU (marked ``gpu``): the real capture and replay, each step == the eager launches bit for bit
+and every replay twice; no host sync on replayed steps; a workspace that grows after a capture;
+an NCCL group (one rank) whose all_gather is captured inside the graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from shardmax.plan import VocabShard
+from shardmax.runtime import graphs
+from shardmax.runtime.dispatch import override
+from shardmax.runtime.graphs import GraphedStep, batch_signature
+from shardmax.runtime.validation import StepBatch, check_step_batch
+from shardmax.testing.traffic import TrafficBatch, realistic_batch
+
+K = 3
+
+
+def _batch(t: TrafficBatch, mix: str, draft_dtype: torch.dtype = torch.int32) -> StepBatch:
+    rows = t.logits.shape[0]
+    sampled = mix != "greedy"
+    return check_step_batch(
+        rows, t.logits.device, t.draft_sampled.to(draft_dtype), t.cu_num_logits, t.pos,
+        t.idx_mapping, t.expanded_local_pos, t.seed, K, None, None, None,
+        temperature=t.temperature if sampled else None, top_p=t.top_p,
+    )  # fmt: skip
+
+
+def _plan(shard: VocabShard, rows: int, mix: str, mode: str = "fast"):
+    if mix == "greedy":
+        return shard.greedy_verify(rows)
+    return shard.verify(rows, mode=mode, with_candidates=mix == "top_p")
+
+
+def _shard(vocab: int, dtype: torch.dtype, device: str) -> VocabShard:
+    return VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=dtype, device=device)
+
+
+def _equal(a, b) -> bool:
+    return type(a) is type(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _steps(mix: str, vocab: int, reqs: int, n: int, device: str, dtype=torch.bfloat16):
+    """``n`` steps of one batch shape, each with its own logits and batch tensors."""
+    return [
+        realistic_batch(reqs, K, vocab, seed=11 * i + 1, mix=mix, dtype=dtype, device=device)
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("mix", ["greedy", "temperature", "top_p"])
+def test_replayed_steps_equal_the_plan_run(mix: str) -> None:
+    steps = _steps(mix, 2053, 3, 4, "cpu")
+    rows = steps[0].logits.shape[0]
+    shard = _shard(2053, torch.bfloat16, "cpu")
+    plan = _plan(shard, rows, mix)
+    step = shard.graphed(plan)
+    assert shard.graphed(plan) is step
+    kept = []  # every output stays alive: a fresh output never reuses a freed one's bytes
+    for i, t in enumerate(steps):
+        batch = _batch(t, mix)
+        ref = plan.run(t.logits, batch)
+        got = step.run(t.logits.clone(), batch)
+        assert _equal(got, ref), f"step {i}"
+        kept += [ref, got]
+        assert step.num_graphs == (0 if i + 1 < graphs.CAPTURE_AFTER else 1)
+    # the steps differ, so a replay that read stale logits or batch tensors would have failed
+    assert not _equal(kept[0], kept[-1])
+
+
+def test_replay_reads_this_steps_logits_not_the_captured_ones() -> None:
+    t = _steps("greedy", 3001, 2, 1, "cpu")[0]
+    rows = t.logits.shape[0]
+    shard = _shard(3001, torch.float32, "cpu")
+    plan = shard.greedy_verify(rows)
+    step = GraphedStep(plan)
+    batch = _batch(t, "greedy")
+    logits = t.logits.float()
+    for _ in range(graphs.CAPTURE_AFTER):
+        step.run(logits, batch)
+    # a new argmax planted in every row, at the last real column (the tail block)
+    planted = logits.clone()
+    planted[:, -1] = 1e30
+    got = step.run(planted, batch)
+    ref = plan.run(planted, batch)
+    assert _equal(got, ref)
+    assert not _equal(got, plan.run(logits, batch))
+
+
+def test_batch_signature_separates_dtypes_and_shapes() -> None:
+    steps = _steps("temperature", 1031, 2, 1, "cpu")
+    t = steps[0]
+    a, b = _batch(t, "temperature"), _batch(t, "temperature", torch.int64)
+    assert batch_signature(a) != batch_signature(b)
+    shard = _shard(1031, torch.bfloat16, "cpu")
+    plan = shard.verify(t.logits.shape[0])
+    step = shard.graphed(plan)
+    for batch in (a, b, a, b, a, b):
+        assert _equal(step.run(t.logits, batch), plan.run(t.logits, batch))
+    assert step.num_graphs == 2
+
+
+def test_least_recently_used_signature_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 1)
+    monkeypatch.setattr(graphs, "CAPTURE_AFTER", 1)
+    t = _steps("greedy", 1031, 2, 1, "cpu")[0]
+    shard = _shard(1031, torch.bfloat16, "cpu")
+    plan = shard.greedy_verify(t.logits.shape[0])
+    step = shard.graphed(plan)
+    for dt in (torch.int32, torch.int64, torch.int32):
+        batch = _batch(t, "greedy", dt)
+        assert _equal(step.run(t.logits, batch), plan.run(t.logits, batch))
+        assert step.num_graphs == 1
+
+
+def test_unaligned_logits_run_the_plan_eagerly() -> None:
+    t = _steps("greedy", 1031, 2, 1, "cpu")[0]
+    rows, vocab = t.logits.shape
+    flat = torch.empty(rows * vocab + 1, dtype=t.logits.dtype)
+    logits = flat[1:].view(rows, vocab)  # 2 bytes past an aligned address
+    logits.copy_(t.logits)
+    assert logits.data_ptr() % 16
+    shard = _shard(vocab, t.logits.dtype, "cpu")
+    plan = shard.greedy_verify(rows)
+    step = shard.graphed(plan)
+    batch = _batch(t, "greedy")
+    for _ in range(3):
+        assert _equal(step.run(logits, batch), plan.run(t.logits, batch))
+    assert step.num_graphs == 0
+
+
+def test_bad_logits_get_the_plans_error() -> None:
+    t = _steps("greedy", 1031, 2, 1, "cpu")[0]
+    shard = _shard(1031, torch.bfloat16, "cpu")
+    step = shard.graphed(shard.greedy_verify(t.logits.shape[0]))
+    batch = _batch(t, "greedy")
+    with pytest.raises(ValueError, match="local_logits: shape"):
+        step.run(t.logits[:-1], batch)
+    with pytest.raises(ValueError, match=r"local_logits: .*dtype torch.float32"):
+        step.run(t.logits.float(), batch)
+
+
+def test_plans_that_cannot_be_replayed_are_refused() -> None:
+    t = _steps("temperature", 1031, 2, 1, "cpu")[0]
+    rows = t.logits.shape[0]
+    shard = _shard(1031, torch.bfloat16, "cpu")
+    strict = shard.verify(rows, mode="strict")
+    assert not GraphedStep.supported(strict)
+    with pytest.raises(ValueError, match="plan: strict mode"):
+        shard.graphed(strict)
+    with override(variant="plain"):
+        plain = shard.greedy_verify(rows)
+    with pytest.raises(ValueError, match="plan: the plain path"):
+        shard.graphed(plain)
+    other = _shard(1031, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="not made by this shard"):
+        shard.graphed(other.greedy_verify(rows))
+
+
+def test_empty_batch_runs_the_plan() -> None:
+    shard = _shard(1031, torch.bfloat16, "cpu")
+    plan = shard.greedy_verify(0)
+    logits = torch.empty(0, 1031, dtype=torch.bfloat16)
+    z = torch.zeros(0, dtype=torch.int32)
+    batch = check_step_batch(0, logits.device, z, torch.zeros(1, dtype=torch.int32),
+                             z.long(), z, z, torch.zeros(1, dtype=torch.int64), K)  # fmt: skip
+    out = shard.graphed(plan).run(logits, batch)
+    assert out[0].shape == (0, K + 1)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: the real capture
+# ------------------------------------------------------------------------------------------
+
+
+def _gpu_steps(mix: str, vocab: int, reqs: int, n: int):
+    return _steps(mix, vocab, reqs, n, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", ["greedy", "temperature", "top_p"])
+@pytest.mark.parametrize("reqs", [1, 24, 128])
+def test_gpu_replay_equals_launches_twice(mix: str, reqs: int) -> None:
+    vocab = 200064
+    steps = _gpu_steps(mix, vocab, reqs, 5)
+    rows = steps[0].logits.shape[0]
+    shard = _shard(vocab, torch.bfloat16, "cuda")
+    plan = _plan(shard, rows, mix)
+    step = shard.graphed(plan)
+    kept = []
+    for i, t in enumerate(steps):
+        batch = _batch(t, mix)
+        ref = plan.run(t.logits, batch)
+        got = step.run(t.logits.clone(), batch)
+        again = step.run(t.logits.clone(), batch)
+        assert _equal(got, ref), f"step {i}"
+        assert _equal(again, got), f"step {i}: two replays differ"
+        kept += [ref, got, again]
+    assert step.num_graphs == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", ["greedy", "temperature"])
+def test_gpu_replay_makes_no_host_sync(mix: str) -> None:
+    steps = _gpu_steps(mix, 151936, 8, 3)
+    rows = steps[0].logits.shape[0]
+    shard = _shard(151936, torch.bfloat16, "cuda")
+    plan = _plan(shard, rows, mix)
+    step = shard.graphed(plan)
+    batches = [_batch(t, mix) for t in steps]
+    for _ in range(graphs.CAPTURE_AFTER):
+        step.run(steps[0].logits, batches[0])
+    refs = [plan.run(t.logits, b) for t, b in zip(steps, batches, strict=True)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [step.run(t.logits, b) for t, b in zip(steps, batches, strict=True)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for got, ref in zip(outs, refs, strict=True):
+        assert _equal(got, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_workspace_growth_after_capture_keeps_the_graph_valid() -> None:
+    small, big = _gpu_steps("temperature", 200064, 2, 1)[0], _gpu_steps("temperature", 200064,
+                                                                        64, 1)[0]  # fmt: skip
+    shard = _shard(200064, torch.bfloat16, "cuda")
+    p_small = shard.verify(small.logits.shape[0])
+    step = shard.graphed(p_small)
+    b_small = _batch(small, "temperature")
+    for _ in range(graphs.CAPTURE_AFTER):
+        step.run(small.logits, b_small)
+    gen = shard.ctx.workspace.generation
+    p_big = shard.verify(big.logits.shape[0])
+    p_big.run(big.logits, _batch(big, "temperature"))  # grows the shared workspace
+    assert shard.ctx.workspace.generation > gen
+    assert _equal(step.run(small.logits, b_small), p_small.run(small.logits, b_small))
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_all_gather_is_captured(tmp_path) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))  # fmt: skip
+    try:
+        t = _gpu_steps("temperature", 151936, 16, 1)[0]
+        rows = t.logits.shape[0]
+        shard = VocabShard(vocab_start=0, num_valid=151936, width=151936, dtype=torch.bfloat16,
+                           device="cuda", group=dist.group.WORLD)  # fmt: skip
+        plan = shard.verify(rows)
+        step = shard.graphed(plan)
+        batch = _batch(t, "temperature")
+        ref = plan.run(t.logits, batch)
+        for _ in range(graphs.CAPTURE_AFTER + 2):
+            assert _equal(step.run(t.logits, batch), ref)
+        assert step.num_graphs == 1
+    finally:
+        dist.destroy_process_group()
+
+
+_AOT_SCRIPT = """
+import json, sys
+from generator.aot import _compile, load_module
+from generator.render import generated_dir
+from generator.space import ARCHES
+out = {}
+for name, over in json.loads(sys.argv[1]):
+    mod = load_module(generated_dir() / f"{name}.py")
+    base = {**mod.CONSTEXPRS, **{k: v for k, v in over.items() if k != "INDIRECT"}}
+    for arch in ("sm90", "gfx950"):
+        direct = _compile(mod, base, ARCHES[arch], 4)
+        indirect = _compile(mod, {**base, **over}, ARCHES[arch], 4)
+        out[f"{name}/{arch}"] = (direct["spill_bytes"], indirect["spill_bytes"])
+print(json.dumps(out))
+"""
+
+
+def test_indirect_launches_compile_ahead_of_time_without_spills() -> None:
+    """The INDIRECT constexpr sets (not in the AOT report: one more load than the direct sets)
+    compile for sm90 and gfx950 and spill no more than the direct sets, at the widest tile each
+    family runs (a subprocess: the AOT compiler needs Triton without the interpreter)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cases = [
+        ("shard_keys_bf16_va16_b8192", {"INDIRECT": True}),
+        ("sampled_record_bf16_b4096", {"INDIRECT": True, "TOPK": False, "NOISE": False}),
+        ("sampled_record_fp32_b2048", {"INDIRECT": True}),
+        ("sampled_draw_bf16_b4096", {"INDIRECT": True}),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", _AOT_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
+        env=env, cwd=root, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    spills = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(spills) == 2 * len(cases)
+    for key, (direct, indirect) in spills.items():
+        assert indirect <= direct, (key, direct, indirect)
+
+
+@pytest.mark.gpu
+def test_gpu_pageable_table_upload_is_staged_at_the_call() -> None:
+    """What ``_upload`` relies on: a non-blocking copy from pageable host memory queued behind
+    milliseconds of device work returns at once and carries the bytes of the moment of the
+    call, so the host table may be rewritten right after it."""
+    import numpy as np
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    host = np.arange(64, dtype=np.int64)
+    src = torch.from_numpy(host)
+    dst = torch.zeros(64, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(40):  # ~5 ms queued
+        a @ a
+    done = torch.cuda.Event()
+    dst.copy_(src, non_blocking=True)
+    done.record()
+    host[:] = -1  # the next step's table
+    assert not done.query(), "the copy should still be queued behind the matmuls"
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), torch.arange(64))
