@@ -4,7 +4,13 @@
 to PTX + cubin (cuda) or AMDGCN + hsaco (hip) without a device. The resource report (registers,
 spills, scratch, shared memory) goes to ``generated/<arch>/resources.json`` so that the tuner
 can prune spilling points before timing (design §4) and CI proves every variant compiles for
-both targets.
+both targets. A module that declares ``NUM_WARPS`` (a kernel always launched with those warps)
+is compiled at them, the others at 4 warps.
+
+``spill_bytes`` is memory: local-memory spill stores + loads per thread (ptxas, cuda); on hip
+the scratch bytes per lane of a kernel that spills (a spilled VGPR lives in scratch; an SGPR
+spills into a lane of a VGPR -- ``v_writelane``, no memory -- unless the VGPRs run out, and then
+the scratch shows it). ``sgpr_spills`` (hip) counts the SGPRs spilled, wherever they went.
 """
 
 from __future__ import annotations
@@ -71,11 +77,15 @@ def _hip_resources(amdgcn: str) -> dict[str, int]:
         m = re.search(rf"\.{name}:\s+(\d+)", amdgcn)
         return int(m.group(1)) if m else -1
 
-    scratch = re.search(r"; ScratchSize: (\d+)", amdgcn)
+    m = re.search(r"; ScratchSize: (\d+)", amdgcn)
+    scratch = int(m.group(1)) if m else 0
+    vgpr, sgpr = max(field("vgpr_spill_count"), 0), max(field("sgpr_spill_count"), 0)
+    to_memory = vgpr > 0 or (sgpr > 0 and scratch > 0)
     return {
         "registers": field("vgpr_count"),
-        "spill_bytes": max(field("vgpr_spill_count"), 0) + max(field("sgpr_spill_count"), 0),
-        "stack_bytes": int(scratch.group(1)) if scratch else 0,
+        "spill_bytes": max(scratch, 4 * vgpr) if to_memory else 0,
+        "sgpr_spills": sgpr,
+        "stack_bytes": scratch,
     }
 
 
@@ -101,9 +111,10 @@ def _compile(
 
 def compile_variant(mod: ModuleType, arch: ArchLimits, num_warps: int = 4) -> dict[str, Any]:
     """Compile one generated module for ``arch`` at its ``CONSTEXPRS``; returns its resource
-    record. A module's ``CONFIGS`` (``{name: constexpr overrides}``: other constexpr sets the
+    record (at the module's ``NUM_WARPS`` when it declares them). A module's ``CONFIGS`` (``{name: constexpr overrides}``: other constexpr sets the
     runtime launches, e.g. the record kernel's phase 1) are compiled too, under
     ``record["configs"][name]``."""
+    num_warps = getattr(mod, "NUM_WARPS", num_warps)
     res = _compile(mod, mod.CONSTEXPRS, arch, num_warps)
     configs = getattr(mod, "CONFIGS", {})
     if configs:

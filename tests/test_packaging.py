@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import tomllib
 
 from generator.__main__ import resource_drift, stale_resources
@@ -108,7 +109,25 @@ def test_spill_report_names_new_spills_of_selectable_variants(tmp_path) -> None:
     new, _ = spill_report(tmp_path, "sm90", rec)
     assert "sampled_record_fp16_b4096[phase1]: 6 bytes" in new
     assert "sampled_record_bf16_b4096: 2260 bytes" not in new  # its default set: not selected
-    known = next(iter(KNOWN_SPILLS["gfx950"]))
+    known = "sampled_finish_tp4_allgather"
     (tmp_path / "gfx950").mkdir()
-    new, gone = spill_report(tmp_path, "gfx950", {"variants": {known: {"spill_bytes": 0}}})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(KNOWN_SPILLS, "gfx950", {known: "a known spill"})
+        new, gone = spill_report(tmp_path, "gfx950", {"variants": {known: {"spill_bytes": 0}}})
     assert new == [] and gone == [known]
+
+
+def test_hip_report_counts_memory_spills_not_sgpr_lane_spills() -> None:
+    """An SGPR spilled into a VGPR lane (``v_writelane``) moves no memory: ``sgpr_spills``, not
+    ``spill_bytes``; a VGPR spill (or SGPRs spilled once the VGPRs ran out) shows in scratch."""
+    from generator.aot import _hip_resources
+
+    def asm(vgpr_spills: int, sgpr_spills: int, scratch: int) -> str:
+        return (f"; ScratchSize: {scratch}\n.vgpr_count: 96\n.vgpr_spill_count: {vgpr_spills}\n"
+                f".sgpr_count: 106\n.sgpr_spill_count: {sgpr_spills}\n")  # fmt: skip
+
+    lanes = _hip_resources(asm(0, 34, 0))
+    assert lanes["spill_bytes"] == 0 and lanes["sgpr_spills"] == 34 and lanes["registers"] == 96
+    assert _hip_resources(asm(3, 0, 12))["spill_bytes"] == 12
+    assert _hip_resources(asm(0, 40, 160))["spill_bytes"] == 160
+    assert _hip_resources(asm(0, 0, 64))["spill_bytes"] == 0  # a private array, no spill

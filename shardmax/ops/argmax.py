@@ -85,7 +85,6 @@ def argmax_pick(
         tp,
         ROWS=PICK_ROWS,
         SPLITS_P2=triton.next_power_of_2(splits),
-        num_warps=1,
     )
     return ids
 

@@ -66,7 +66,6 @@ def verify_finish(
         SPLITS_P2=triton.next_power_of_2(keys.shape[1]),
         SYNTHETIC=rates is not None,
         HAS_PREFILL=has_prefill,
-        num_warps=1,
     )
     return sampled, num_sampled, num_rejected
 

@@ -415,7 +415,6 @@ def row_params(batch: StepBatch, out: tuple[torch.Tensor, ...] | None = None) ->
         rows,
         batch.num_slots,
         KP1_P2=triton.next_power_of_2(batch.num_speculative_steps + 1),
-        num_warps=1,
     )
     return res
 
@@ -527,7 +526,6 @@ def merge_candidates(
         HAS_MIN_P=batch.min_p is not None,
         SPLIT_MAX_ROWS=SPLIT_PIPELINE_MAX_ROWS,
         NETWORK=sorting_network(gathered.device),
-        num_warps=2,
     )
 
 
@@ -608,7 +606,6 @@ def sampled_finish(
         HAS_KEEP=keep is not None,
         STRICT=lse is not None,
         DRAW=draw is not None,
-        num_warps=1,
     )
     return res
 
@@ -703,7 +700,6 @@ def pick_tokens(
         FP64=use_fp64_gumbel,
         BLOCK_R=per,
         PARTS_P2=triton.next_power_of_2(parts),
-        num_warps=1,
     )
 
 

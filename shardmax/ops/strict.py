@@ -209,7 +209,6 @@ def block_stats(
         vocab,
         BLOCK=VOCAB_BLOCK,
         TEMP=temperature is not None,
-        num_warps=4,  # vLLM's stats kernel launches with Triton's default, 4 warps
     )
 
 
@@ -349,7 +348,6 @@ def rebuild_block_stats(
         COPY=COPY_LANES,
         FULL_LANES=triton.next_power_of_2(max(p.max_full, 1)),
         TEMP=processed,
-        num_warps=4,  # vLLM's stats kernel: 4 warps
     )
     return g_max, g_sum
 
@@ -398,7 +396,6 @@ def replay_kept(
         CAND=cand_per_row,
         HAS_TOPK=top_k is not None,
         HAS_KEEP=keep is not None,
-        num_warps=4,
     )
 
 
@@ -418,7 +415,6 @@ def strict_lse(g_max: torch.Tensor, g_sum: torch.Tensor) -> torch.Tensor:
         lse,
         nb,
         PADDED_NUM_BLOCKS=triton.next_power_of_2(nb),
-        num_warps=1,
     )
     return lse
 

@@ -153,7 +153,7 @@ class _Captured:
     def _body(self, copy_out: bool) -> Any:
         copy = kernels.kernel("table_copy")
         if self.n_in:
-            copy((self.n_in,), self.table[1:], BLOCK=1024, num_warps=1)
+            copy((self.n_in,), self.table[1:], BLOCK=copy.module.BLOCK)
         res = self.plan.run(self.indirect, self.static_batch)
         if copy_out:
             outs = list(res)
@@ -163,7 +163,7 @@ class _Captured:
                 tab = self.table.numpy()
                 for j, t in enumerate(outs):
                     tab[n + 3 * j] = t.data_ptr()
-            copy((len(outs),), self.table[n:], BLOCK=1024, num_warps=1)
+            copy((len(outs),), self.table[n:], BLOCK=copy.module.BLOCK)
         return res
 
     def _fill(self, logits: torch.Tensor, batch: Any, outs: Sequence[torch.Tensor]) -> None:

@@ -111,7 +111,9 @@ class Kernel:
     """One generated variant's jitted function with a cheap repeated launch (module docstring).
 
     ``Kernel(name)(grid, *args, **constexprs)`` launches ``kernel[grid](*args, **constexprs)``;
-    ``num_warps`` / ``num_stages`` among the keywords are launch options, as in Triton.
+    ``num_warps`` / ``num_stages`` among the keywords are launch options, as in Triton. A module
+    that declares ``NUM_WARPS`` (a kernel launched with fixed warps; the AOT report compiles it
+    at them) is launched with them unless ``num_warps`` is given.
     """
 
     def __init__(self, name: str) -> None:
@@ -126,6 +128,7 @@ class Kernel:
         self._const = tuple(bool(getattr(p, "is_constexpr", False)) for p in params or ())
         self._compiled: dict[Any, Any] = {}
         self._knobs = _knobs()
+        self.num_warps: int | None = getattr(self.module, "NUM_WARPS", None)
         self._direct = (
             _DIRECT
             and not INTERPRET
@@ -138,6 +141,8 @@ class Kernel:
         return f"Kernel({self.name!r})"
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        if self.num_warps is not None and "num_warps" not in kwargs:
+            kwargs["num_warps"] = self.num_warps
         first = args[0] if args else None
         if not self._direct or type(first) is not torch.Tensor or not first.is_cuda:
             if isinstance(first, torch.Tensor) and first.device.type == "cpu":
