@@ -107,6 +107,8 @@ class _Captured:
         res = self._body(copy_out=False)  # compiles; sizes the outputs
         self.make: Callable[[list[Any]], Any] = getattr(type(res), "_make", tuple)
         first = list(res)
+        if not all(type(t) is torch.Tensor and t.is_contiguous() for t in first):
+            raise TypeError(f"{type(self.plan).__name__}.run: outputs are not contiguous tensors")
         self.outputs = [torch.empty_like(t) for t in first]
         n = len(self.host)
         self.host = np.concatenate([self.host, np.zeros(3 * len(first), dtype=np.int64)])
@@ -228,7 +230,11 @@ class GraphedStep:
         return not cls.unsupported(plan)
 
     def run(self, local_logits: torch.Tensor, batch: Any) -> Any:
-        """The plan's ``run``: eagerly for a new batch signature, from its graph afterwards."""
+        """The plan's ``run``: eagerly for a new batch signature, from its graph afterwards.
+
+        ``batch``: a :class:`~shardmax.runtime.validation.StepBatch` from ``check_step_batch``
+        (its tensors unit-stride, as every plan's kernels assume; the replay copies them byte
+        for byte). Raises what ``plan.run`` raises for bad logits or a batch of another shape."""
         plan = self.plan
         if (
             batch.num_reqs == 0
