@@ -8,9 +8,10 @@ both targets. A module that declares ``NUM_WARPS`` (a kernel always launched wit
 is compiled at them, the others at 4 warps.
 
 ``spill_bytes`` is memory: local-memory spill stores + loads per thread (ptxas, cuda); on hip
-the scratch bytes per lane of a kernel that spills (a spilled VGPR lives in scratch; an SGPR
-spills into a lane of a VGPR -- ``v_writelane``, no memory -- unless the VGPRs run out, and then
-the scratch shows it). ``sgpr_spills`` (hip) counts the SGPRs spilled, wherever they went.
+the scratch bytes per lane of a kernel that spills. On gfx950 a spilled VGPR first goes to an
+AGPR (``v_accvgpr_write``) and an SGPR into a VGPR lane (``v_writelane``), neither in memory;
+only what does not fit there lands in scratch, which the scratch size shows. ``vgpr_spills`` /
+``sgpr_spills`` (hip) count the registers spilled, wherever they went.
 """
 
 from __future__ import annotations
@@ -78,12 +79,12 @@ def _hip_resources(amdgcn: str) -> dict[str, int]:
         return int(m.group(1)) if m else -1
 
     m = re.search(r"; ScratchSize: (\d+)", amdgcn)
-    scratch = int(m.group(1)) if m else 0
+    scratch = max(int(m.group(1)) if m else 0, field("private_segment_fixed_size"), 0)
     vgpr, sgpr = max(field("vgpr_spill_count"), 0), max(field("sgpr_spill_count"), 0)
-    to_memory = vgpr > 0 or (sgpr > 0 and scratch > 0)
     return {
         "registers": field("vgpr_count"),
-        "spill_bytes": max(scratch, 4 * vgpr) if to_memory else 0,
+        "spill_bytes": scratch if vgpr or sgpr else 0,
+        "vgpr_spills": vgpr,
         "sgpr_spills": sgpr,
         "stack_bytes": scratch,
     }

@@ -343,3 +343,42 @@ def test_gpu_pageable_table_upload_is_staged_at_the_call() -> None:
     assert not done.query(), "the copy should still be queued behind the matmuls"
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), torch.arange(64))
+
+
+def test_a_batch_the_plan_refuses_is_never_captured() -> None:
+    """A batch the plan rejects raises the plan's error every time: it is not counted towards a
+    capture (no false "capture failed" warning, no state kept), and the workspace stays in its
+    plain growth mode (no graph exists on the CPU)."""
+    import warnings
+
+    t = _steps("greedy", 1031, 2, 1, "cpu")[0]
+    shard = _shard(1031, torch.bfloat16, "cpu")
+    step = shard.graphed(shard.verify(t.logits.shape[0]))
+    greedy_batch = _batch(t, "greedy")  # no temperature: a sampled plan refuses it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(graphs.CAPTURE_AFTER + 1):
+            with pytest.raises(ValueError, match="temperature: required"):
+                step.run(t.logits, greedy_batch)
+    assert step.num_graphs == 0 and not step._failed and not step._seen
+    assert not shard.ctx.workspace.captured
+
+
+def test_argmax_plans_are_refused() -> None:
+    shard = _shard(1031, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="plan: ArgmaxPlan is not a verification plan"):
+        shard.graphed(shard.argmax(4))
+
+
+def test_workspace_after_a_capture_keeps_within_twice_its_largest_buffer() -> None:
+    """Once a graph was captured, a replaced buffer is kept (a graph may point at it); growing
+    by doubling bounds what is kept, whatever the sequence of sizes."""
+    from shardmax.runtime.shard import Workspace
+
+    ws = Workspace(torch.device("cpu"))
+    ws.reserve("a", 100)
+    ws.captured = True
+    for n in range(101, 100_000, 37):
+        ws.reserve("a", n)
+    kept = sum(b.numel() for b in ws.retired)
+    assert len(ws.retired) <= 11 and kept < ws.nbytes()

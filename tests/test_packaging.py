@@ -118,8 +118,9 @@ def test_spill_report_names_new_spills_of_selectable_variants(tmp_path) -> None:
 
 
 def test_hip_report_counts_memory_spills_not_sgpr_lane_spills() -> None:
-    """An SGPR spilled into a VGPR lane (``v_writelane``) moves no memory: ``sgpr_spills``, not
-    ``spill_bytes``; a VGPR spill (or SGPRs spilled once the VGPRs ran out) shows in scratch."""
+    """A register spilled into another register file (an SGPR into a VGPR lane, a VGPR into an
+    AGPR) moves no memory: counted in ``sgpr_spills`` / ``vgpr_spills``, not ``spill_bytes``;
+    a spill that lands in memory shows in the scratch size (or the private segment)."""
     from generator.aot import _hip_resources
 
     def asm(vgpr_spills: int, sgpr_spills: int, scratch: int) -> str:
@@ -129,5 +130,9 @@ def test_hip_report_counts_memory_spills_not_sgpr_lane_spills() -> None:
     lanes = _hip_resources(asm(0, 34, 0))
     assert lanes["spill_bytes"] == 0 and lanes["sgpr_spills"] == 34 and lanes["registers"] == 96
     assert _hip_resources(asm(3, 0, 12))["spill_bytes"] == 12
+    agpr = _hip_resources(asm(84, 0, 0))  # VGPRs into AGPRs (sampled_record b4096, 2 warps)
+    assert agpr["spill_bytes"] == 0 and agpr["vgpr_spills"] == 84
+    seg = asm(5, 0, 0).replace("; ScratchSize: 0\n", "") + ".private_segment_fixed_size: 20\n"
+    assert _hip_resources(seg)["spill_bytes"] == 20
     assert _hip_resources(asm(0, 40, 160))["spill_bytes"] == 160
     assert _hip_resources(asm(0, 0, 64))["spill_bytes"] == 0  # a private array, no spill

@@ -61,8 +61,9 @@ def _nbytes(t: torch.Tensor) -> int:
 def batch_signature(batch: Any) -> tuple[Any, ...]:
     """What a captured graph depends on besides the plan: each field of the
     :class:`~shardmax.runtime.validation.StepBatch` -- a tensor by its dtype and length (every
-    tensor of a checked batch is contiguous), K and absent tensors (None) as they are."""
-    return tuple((t.dtype, t.shape[0]) if type(t) is torch.Tensor else t for t in batch)
+    tensor of a checked batch is contiguous) and device, K and absent tensors (None) as they
+    are."""
+    return tuple((t.dtype, t.shape[0], t.device) if type(t) is torch.Tensor else t for t in batch)
 
 
 class _Captured:
@@ -86,7 +87,6 @@ class _Captured:
             self.host[2 + 3 * j] = t.data_ptr()
             self.host[3 + 3 * j] = _nbytes(t)
         self._static = static  # kept alive: the table points at them
-        plan.ctx.workspace.captured = True  # buffers the graph uses outlive a growth
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: list[torch.Tensor] = []
         self._set_table(len(self.host))
@@ -131,6 +131,7 @@ class _Captured:
                 self.host[n + 3 * j] = t.data_ptr()
             self._graph_outputs = outs  # kept alive: the graph writes them
             self.graph = graph
+            self.plan.ctx.workspace.captured = True  # its buffers outlive a later growth
         self._first = first  # the interpreter's table points at them until a run
 
     def _set_table(self, n: int) -> None:
@@ -221,6 +222,8 @@ class GraphedStep:
             return "the plain path (full-logits gather) reads the logits with torch ops"
         if getattr(plan, "strict", None) is not None:
             return "strict mode reads the logits in its block-statistics kernels"
+        if not hasattr(plan, "num_logits"):
+            return f"{type(plan).__name__} is not a verification plan (run(local_logits, batch))"
         if not hasattr(plan, "run"):
             return f"{type(plan).__name__} has no run()"
         return ""
@@ -252,10 +255,11 @@ class GraphedStep:
             return got.run(local_logits, batch)
         seen = self._seen.get(key, 0) + 1
         if seen < CAPTURE_AFTER:
+            res = plan.run(local_logits, batch)  # raises on a batch the plan refuses
             if len(self._seen) >= 4 * MAX_GRAPHS:  # shapes seen once each: forget them
                 self._seen.clear()
-            self._seen[key] = seen
-            return plan.run(local_logits, batch)
+            self._seen[key] = seen  # counted once the plan took it: only those are captured
+            return res
         self._seen.pop(key, None)
         if key in self._failed:
             return plan.run(local_logits, batch)

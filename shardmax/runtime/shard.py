@@ -50,7 +50,10 @@ class Workspace:
         if cur is not None and cur.numel() >= nbytes:
             return
         if cur is not None and self.captured:
+            # a graph may point at it: keep it, and grow by doubling so that the buffers kept
+            # stay within twice the largest one
             self.retired.append(cur)
+            nbytes = max(nbytes, 2 * cur.numel())
         self._bufs[name] = torch.empty(max(nbytes, 8), dtype=torch.uint8, device=self.device)
         self.generation += 1
 
