@@ -31,7 +31,9 @@ if [ "$NGPU" -ge 1 ]; then
   python -m benchmarks --quick
 else
   echo "== tuner: CPU mode (interpreter, tiny sweep, no table written)"
-  python -m tuner --studies-dir "$(mktemp -d)"
+  studies=$(mktemp -d)  # throw-away Optuna studies of the CPU run, removed when it ends
+  trap 'rm -rf "$studies"' EXIT
+  python -m tuner --studies-dir "$studies"
 fi
 
 echo "== dispatcher: what a serving process would launch"
