@@ -670,15 +670,20 @@ def replay(
     return KeptSet(ReplayReason.OK, False, b, lo, hi, first[4], first[-1])
 
 
-def kept_masks(raw_row: torch.Tensor, kept: KeptSet, h: LevelHistogram) -> list[torch.Tensor]:
+def kept_masks(raw_row: torch.Tensor, kept: KeptSet, top_key: int) -> list[torch.Tensor]:
     """The kept masks ``bool [V]`` a certified :class:`KeptSet` allows for the row it was replayed
-    on (one, or two when the ties are a range: the least and the most kept)."""
+    on (``top_key``: its histogram's; one mask, or two when the ties are a range: the least and
+    the most kept).
+
+    Raises:
+        ValueError: ``kept`` not certified.
+    """
     if kept.reason != ReplayReason.OK:
         raise ValueError(f"kept: not certified ({kept.reason.name})")
     if kept.nomask:
         return [torch.ones(raw_row.shape, dtype=torch.bool)]
     keys = level_keys(raw_row.detach().cpu())
-    key_b = h.top_key - kept.boundary
+    key_b = top_key - kept.boundary
     above = keys > key_b
     tie = keys == key_b
     rank = torch.cumsum(tie.to(torch.int64), 0)
