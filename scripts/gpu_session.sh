@@ -34,11 +34,13 @@
 #                                   the plug-in's resolving call
 #   bash scripts/gpu_session.sh N   one H200: every kernel GPU test and the fuzz corpus under
 #                                   compute-sanitizer memcheck on the final code
+#   bash scripts/gpu_session.sh O   one H200: the level-histogram top-p replay against vLLM 0.33's
+#                                   own top-p kernels and chain (benchmarks/topp_replay.py)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A-N}
+STAGE=${1:?stage A-O}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -271,6 +273,16 @@ N)
     tests/test_gpu.py >"$OUT/tests_N.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|^FAILED|Error" "$OUT/tests_N.log" | tail -12
   sanitized_fuzz N 570
+  ;;
+O)
+  # the level-histogram top-p replay on realistic steps against vLLM 0.33's own top-p kernels
+  # and chain on CUDA (carry .vllm-kernels): coverage, bytes, oracle mismatches
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "top-p replay vs vLLM 0.33"
+  timeout "$(left 570)" python3 -m benchmarks.topp_replay --steps "${TOPP_STEPS:-30}" \
+    --workers "$(($(nproc) - 2))" --out "$OUT/topp_replay" \
+    >"$OUT/topp_replay_O.log" 2>&1
+  echo "  rc=$?"; tail -n 20 "$OUT/topp_replay_O.log"
   ;;
 *)
   echo "unknown stage $STAGE" >&2

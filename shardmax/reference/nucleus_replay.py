@@ -37,11 +37,12 @@ replays each pipeline on a :class:`LevelHistogram` and **certifies** every decis
   below the floor, the monolithic kernel's logit-space pivot next to a level, a non-contiguous
   kept set) is a flag (:class:`ReplayReason`) -- the request is then verified the native way.
 
-The answer, :class:`KeptSet`: every level above ``boundary`` kept, and the first ``ties``
-tokens of the boundary level in global id order, ``ties`` somewhere in ``[ties_lo, ties_hi]``
-(0.33 split: exact unless the floor of its budget is within rounding; monolithic: the duplicate
-logit's bits decide between ``num_keep`` and all; 0.32 split: between its budget and all), or no
-mask at all. The sharded verification then decides each request from what is certain (the
+The answer, :class:`KeptSet`: every level above ``boundary`` kept, and ``ties`` tokens of the
+boundary level, ``ties`` somewhere in ``[ties_lo, ties_hi]``, or no mask at all. Monolithic: the
+first ``ties`` in global id order, the duplicate logit's bits deciding between ``num_keep`` and
+all. Split: all, or -- where vLLM trims the boundary level -- an unknown subset
+(``ties_ordered`` False; 0.32: at least its budget; 0.33: any size, as measured on the H200 with
+many slices). The sharded verification then decides each request from what is certain (the
 acceptance LSE over the kept set is an interval; a draw whose winner could be a boundary tie that
 might not be kept is flagged).
 
@@ -434,7 +435,7 @@ class KeptSet:
     ``boundary`` and the first ``ties`` tokens (global id order) of level ``boundary``, ``ties``
     in ``[ties_lo, ties_hi]`` (``ties_hi == count`` of that level when every tie may be kept).
     ``reason`` != OK: not certified (the other fields are meaningless). ``branches``: branch
-    points met (for statistics)."""
+    points met (for statistics). With ``ties_ordered`` False the kept ties are not a prefix."""
 
     reason: ReplayReason
     nomask: bool = False
@@ -443,6 +444,9 @@ class KeptSet:
     ties_hi: int = 0
     count: int = 0
     branches: int = 0
+    ties_ordered: bool = True
+    """False: the kept ties are *some* ``ties`` tokens of the boundary level, which ones unknown
+    (vLLM's split pipelines); the request's outcome must then not depend on any boundary tie."""
 
     @property
     def certain_ties(self) -> bool:
@@ -521,29 +525,29 @@ def _monolithic(row: _Row, config: PipelineConfig, high: bool, sigma_table: list
     if abs(p_pivot / top_q - 1.0) <= EPS_P:
         raise _Flag(ReplayReason.PIVOT_AT_LEVEL)
     if p_pivot > top_q:
-        return (True, -1, 0, 0, 0, run.branches)
+        return (True, -1, 0, 0, 0, True, run.branches)
     b = _boundary_of(row, p_pivot)
     count = int(h.counts[b])
     if carried.level == -3:  # nothing above the last pivot: no duplicate to trim
-        return (False, b, count, count, count, run.branches)
+        return (False, b, count, count, count, True, run.branches)
     carried = carried.carried()
     _check_tie_groups(row, carried.level)
     f_lo, f_hi = _budget_floor(carried.mass, p, carried.g)
     if f_hi < 0:  # no token to trim (a negative budget casts to 0 trimmed)
-        return (False, b, count, count, count, run.branches)
+        return (False, b, count, count, count, True, run.branches)
     if f_lo < 0 or f_hi >= carried.n:
         raise _Flag(ReplayReason.NOT_CONVERGED)  # uint32 edges the replay does not model
     if carried.level > b:  # the trimmed level is below the mask's boundary: no effect
-        return (False, b, count, count, count, run.branches)
+        return (False, b, count, count, count, True, run.branches)
     if carried.level < b:
         raise _Flag(ReplayReason.NOT_CONVERGED)  # trimming a level above the boundary
     keep_lo = carried.n - f_hi
     if keep_lo >= count:
-        return (False, b, count, count, count, run.branches)
+        return (False, b, count, count, count, True, run.branches)
     if abs(h.values[b]) < 1e-6:
         raise _Flag(ReplayReason.NOT_CONVERGED)  # |x - dup| < 1e-9 could match neighbours
     # the recomputed duplicate logit may or may not equal the boundary value bit for bit
-    return (False, b, max(keep_lo, 0), count, count, run.branches)
+    return (False, b, max(keep_lo, 0), count, count, True, run.branches)
 
 
 def _ladder(lo: float, hi: float) -> np.ndarray:
@@ -560,7 +564,7 @@ def _split(row: _Row, config: PipelineConfig, high: bool) -> tuple:
     if abs(ratio - 1.0) <= EPS_P:
         raise _Flag(ReplayReason.NOT_CONVERGED)
     if ratio < 1.0:
-        return (True, -1, 0, 0, 0, run.branches)  # (nearly) uniform row: no mask
+        return (True, -1, 0, 0, 0, True, run.branches)  # (nearly) uniform row: no mask
     lo, hi = min_prob, max_prob
     best, best_o = -1.0, None
     sel = None
@@ -585,14 +589,14 @@ def _split(row: _Row, config: PipelineConfig, high: bool) -> tuple:
             if best > 0.0 and best_o is not None:
                 sel = (best, best_o)
                 break
-            return (True, -1, 0, 0, 0, run.branches)
+            return (True, -1, 0, 0, 0, True, run.branches)
         lo, hi = new_lo, new_hi
     assert sel is not None
     pivot, o = sel
     if abs(pivot / max_prob - 1.0) <= EPS_P:
         raise _Flag(ReplayReason.PIVOT_AT_LEVEL)
     if pivot >= max_prob:
-        return (True, -1, 0, 0, 0, run.branches)  # pivot * Z >= 1: no mask
+        return (True, -1, 0, 0, 0, True, run.branches)  # pivot * Z >= 1: no mask
     o = o.carried()
     b = o.level  # the step and mask kernels compare the same fp32 probabilities
     if (
@@ -602,13 +606,18 @@ def _split(row: _Row, config: PipelineConfig, high: bool) -> tuple:
         raise _Flag(ReplayReason.PIVOT_AT_LEVEL)  # 0.32 masks in logit space
     count = int(h.counts[b])
     _check_tie_groups(row, b)
-    f_lo, f_hi = _budget_floor(max(o.mass, p), p, o.g)
-    f_lo, f_hi = max(f_lo, 0), max(f_hi, 0)
-    keep_lo = min(max(count - f_hi, 1), count)
-    keep_hi = min(max(count - f_lo, 1), count)
+    _, f_hi = _budget_floor(max(o.mass, p), p, o.g)
+    keep_lo = min(max(count - max(f_hi, 0), 1), count)  # the fewest the budget keeps
+    if keep_lo >= count:
+        return (False, b, count, count, count, True, run.branches)
     if config.pipeline == Pipeline.SPLIT_V032:
-        keep_hi = count  # its per-block budget restarts: at least keep_lo, at most all
-    return (False, b, keep_lo, keep_hi, count, run.branches)
+        # its duplicate budget restarts per 8192-block: at least keep_lo, at most all, any ids
+        return (False, b, keep_lo, count, count, False, run.branches)
+    # 0.33 trims duplicates per slice with a budget carried over from lower slices, read from the
+    # partials of the finalizing ladder slot; on CUDA (many slices) the kept duplicates were seen
+    # to be neither an id-ordered prefix nor of the budget's size (benchmarks/topp_replay.py):
+    # any subset of the boundary level
+    return (False, b, 0, count, count, False, run.branches)
 
 
 def replay(
@@ -667,7 +676,8 @@ def replay(
         return KeptSet(ReplayReason.OK, nomask=True, branches=first[-1])
     lo = min(r[2] for r in results)
     hi = max(r[3] for r in results)
-    return KeptSet(ReplayReason.OK, False, b, lo, hi, first[4], first[-1])
+    ordered = all(r[5] for r in results)
+    return KeptSet(ReplayReason.OK, False, b, lo, hi, first[4], first[-1], ordered)
 
 
 def kept_masks(raw_row: torch.Tensor, kept: KeptSet, top_key: int) -> list[torch.Tensor]:

@@ -9,7 +9,9 @@ per request whether the certified kept sets settle its outcome:
   that draws) is certified (``ReplayReason.OK``), and
 * where a kept set leaves the boundary ties as a range, the outcome is the same with the fewest
   and the most ties kept (at most one such row per request; with more, the request is counted
-  as ``TIES``: mixed choices are not enumerated).
+  as ``TIES``: mixed choices are not enumerated); where vLLM keeps an unknown subset of them
+  (its split pipelines), moreover no boundary tie is the row's draft or its token -- the LSE
+  then moves monotonically between the two extremes and the Gumbel winner is never a tie.
 
 The outcome of a certified request is vLLM's rejection sampling on the logits with the kept sets
 applied (:func:`shardmax.reference.verify_sampled` on masked logits, temperature only): the
@@ -174,6 +176,7 @@ def replay_step(
     lo = logits.clone()
     hi = logits.clone()
     ranged = torch.zeros(logits.shape[0], dtype=torch.bool)
+    loose: dict[int, torch.Tensor] = {}  # row -> its boundary ties, kept as an unknown subset
     for i, k in enumerate(rows.kept):
         if k is None or k.reason != ReplayReason.OK:
             continue
@@ -181,6 +184,8 @@ def replay_step(
         lo[i] = logits[i].masked_fill(~masks[0], float("-inf"))
         hi[i] = logits[i].masked_fill(~masks[-1], float("-inf"))
         ranged[i] = len(masks) > 1
+        if len(masks) > 1 and not k.ties_ordered:
+            loose[i] = masks[-1] & ~masks[0]
     device = batch.logits.device
     args = (batch.draft_sampled, batch.cu_num_logits, batch.pos, batch.idx_mapping,
             batch.expanded_local_pos, batch.temperature, batch.seed,
@@ -193,6 +198,7 @@ def replay_step(
     num_reqs = cu.numel() - 1
     ok = torch.zeros(num_reqs, dtype=torch.bool)
     req_reason: list[str] = []
+    draft = batch.draft_sampled.cpu().long()
     for r in range(num_reqs):
         used = range(int(cu[r]), int(cu[r]) + int(out_lo[1][r]))
         why = next((rows.reason[i] for i in used if rows.reason[i] != "OK"), None)
@@ -200,6 +206,15 @@ def replay_step(
             same = all(bool((a[r] == b[r]).all()) for a, b in zip(out_lo, out_hi, strict=True))
             if not same or sum(bool(ranged[i]) for i in used) > 1:
                 why = TIES
+            for j, i in enumerate(used):
+                ties = loose.get(i)
+                if ties is None:
+                    continue
+                # with an unknown subset of ties kept, no boundary tie may be the row's token
+                # or its draft: the outcome is then the same whichever ties vLLM keeps
+                d = int(draft[i + 1]) if i + 1 < int(cu[r + 1]) else -1
+                if bool(ties[int(out_hi[0][r, j])]) or (d >= 0 and bool(ties[d])):
+                    why = TIES
         ok[r] = why is None
         req_reason.append(why or "OK")
     return ReplayedStep(rows, ok, req_reason, out_lo, rows.hist_rows * record_bytes(levels))
