@@ -1,7 +1,9 @@
 """Coverage and bytes of the level-histogram top-p replay on realistic T = 1 / top-p 0.95 steps.
 
 ``python -m benchmarks.topp_replay [--out DIR] [--steps N] [--workers W]`` writes
-``topp_replay.csv``, ``topp_replay.png`` and ``TOPP_REPLAY.md``.
+``topp_replay.csv``, ``topp_replay.png`` and ``TOPP_REPLAY.md`` (default folder
+``benchmarks/results/<arch>/topp_replay``; without a GPU the git-ignored
+``benchmarks/results/interpreter/topp_replay``).
 
 Per case (V, TP, requests per step; K = 3, so 32 or 160 logits rows: vLLM's split pipeline or its
 monolithic kernel on CUDA), ``--steps`` realistic steps (:func:`shardmax.testing.traffic.
@@ -275,7 +277,8 @@ def summary(rows: list[dict], device: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.topp_replay", description=__doc__)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/topp_replay"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default benchmarks/results/<arch>/topp_replay (CPU: .../interpreter/...)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--vocab", type=int, nargs="+", default=list(CASES_V))
@@ -285,6 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.out is None:
+        from shardmax.runtime.dispatch import detect_arch
+
+        arch = (detect_arch() if device == "cuda" else None) or "interpreter"
+        args.out = Path("benchmarks/results") / arch / "topp_replay"
     rows = run(args.steps, args.workers, device, tuple(args.vocab), tuple(args.reqs),
                tuple(args.tp))  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)

@@ -273,3 +273,19 @@ def test_certified_requests_equal_vllms_chain(chain: NativeChain) -> None:
         )
         for r in range(20)
     )
+
+
+@pytest.mark.e2e
+def test_topp_replay_benchmark_writes_its_files(tmp_path) -> None:
+    """``benchmarks.topp_replay`` end to end on a tiny CPU case (no oracle off CUDA)."""
+    if not any(c.version.startswith("0.33") for c in CHAINS):
+        pytest.skip("needs vLLM 0.33's extracted tree (its sigma table)")
+    pytest.importorskip("matplotlib")
+    from benchmarks import topp_replay
+
+    topp_replay.main(["--out", str(tmp_path), "--steps", "1", "--vocab", "4096", "--reqs", "4",
+                      "--tp", "2", "4", "--workers", "1"])  # fmt: skip
+    rows = (tmp_path / "topp_replay.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[0].startswith("vocab,tp,rows")
+    assert (tmp_path / "topp_replay.png").stat().st_size > 0
+    assert "| 4096 | 4 | 16 | split |" in (tmp_path / "TOPP_REPLAY.md").read_text()

@@ -3,13 +3,14 @@
 vLLM's monolithic top-p kernel starts its search from an outlier pivot ``mean + std * sigma(p)``
 of the row's first tile, ``sigma`` read from its ``_NORMAL_CDF_TO_SIGMA_TABLE`` (200 fp32 entries,
 ``v1/sample/ops/topk_topp_triton.py``; identical in 0.32 and 0.33). The replay of that search
-(:mod:`shardmax.reference.nucleus_replay`) needs the same entry, so it takes the table of the vLLM it reproduces:
+(:mod:`shardmax.reference.nucleus_replay`) needs the same entry, so it takes the table of the
+vLLM it reproduces:
 
-1. a table set with :func:`set_sigma_table` (the vLLM plug-in sets the installed vLLM's at
-   install; :mod:`shardmax.testing.vllm_chain` the one of an extracted tree);
+1. a table set with :func:`set_sigma_table` (e.g. the one of an extracted tree:
+   ``load_chain(tree).topk_topp._NORMAL_CDF_TO_SIGMA_TABLE``);
 2. else the installed vLLM's (imported on first use);
-3. else none: :func:`sigma_table` returns None and the monolithic replay is unavailable (plans
-   that need it refuse, naming this module).
+3. else none: :func:`sigma_table` returns None and the monolithic replay refuses
+   (:func:`shardmax.reference.nucleus_replay.replay` raises, naming :func:`set_sigma_table`).
 """
 
 from __future__ import annotations
@@ -17,16 +18,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-import torch
-
-__all__ = ["SIGMA_ENTRIES", "set_sigma_table", "sigma_table", "sigma_tensor"]
+__all__ = ["SIGMA_ENTRIES", "set_sigma_table", "sigma_table"]
 
 SIGMA_ENTRIES = 200
 
 _lock = threading.Lock()
 _table: list[float] | None = None
 _looked_up = False
-_tensors: dict[torch.device, torch.Tensor] = {}
 
 
 def set_sigma_table(values: Sequence[float] | None) -> None:
@@ -48,7 +46,6 @@ def set_sigma_table(values: Sequence[float] | None) -> None:
                     f"_NORMAL_CDF_TO_SIGMA_TABLE), got {len(vals)}"
                 )
             _table, _looked_up = vals, True
-        _tensors.clear()
 
 
 def sigma_table() -> list[float] | None:
@@ -64,16 +61,3 @@ def sigma_table() -> list[float] | None:
             except Exception:
                 _table = None
         return _table
-
-
-def sigma_tensor(device: torch.device) -> torch.Tensor | None:
-    """:func:`sigma_table` as an fp32 tensor on ``device`` (cached; made on first use, so do it
-    before a CUDA-graph capture -- a plan's first run does)."""
-    table = sigma_table()
-    if table is None:
-        return None
-    with _lock:
-        t = _tensors.get(device)
-        if t is None:
-            t = _tensors[device] = torch.tensor(table, dtype=torch.float32, device=device)
-        return t
