@@ -35,7 +35,12 @@ replays each pipeline on a :class:`LevelHistogram` and **certifies** every decis
   both runs end with the same kept set (the ties at its boundary may differ: a range);
 * anything else (a second branch point, a mass within margin that decides, a boundary or pivot
   below the floor, the monolithic kernel's logit-space pivot next to a level, a non-contiguous
-  kept set) is a flag (:class:`ReplayReason`) -- the request is then verified the native way.
+  kept set, vLLM's 1e-9 duplicate test reaching a neighbouring level where it decides, a value
+  that matters too far from the monolithic kernel's normaliser ``max_sample`` -- the first
+  tile's mean + 10 std -- for fp32 ``exp``) is a flag (:class:`ReplayReason`) -- the request is
+  then verified the native way. A monolithic search anchored at the outlier threshold
+  (mean + sigma(p) * std of the first tile) also carries that threshold's fp32 error
+  (:func:`_tile_error`) in its pivot tolerance.
 
 The answer, :class:`KeptSet`: every level above ``boundary`` kept, and ``ties`` tokens of the
 boundary level, ``ties`` somewhere in ``[ties_lo, ties_hi]``, or no mask at all. Monolithic: the
