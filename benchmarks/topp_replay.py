@@ -85,10 +85,11 @@ def _init(table: list[float]) -> None:
 
 def _oracle(b: Any, step: Any, chain: Any) -> tuple[int, int, int, int]:
     """(rows checked, row mismatches, requests checked, request mismatches) against vLLM."""
-    from shardmax.reference.nucleus_replay import ReplayReason, level_keys
-    from shardmax.testing.topp_replay import row_params
+    from shardmax.reference.nucleus_replay import ReplayReason
+    from shardmax.testing.topp_replay import kept_set_violation, row_params
+    from shardmax.testing.vllm_chain import verify_inputs
 
-    temp, top_p = row_params(b)
+    _, top_p = row_params(b)
     x = b.logits.float()  # T = 1: vLLM's temperature step leaves the fp32 copy as is
     masked = chain.modules.topk_topp.apply_top_k_top_p_triton(x.clone(), None, top_p.to(x.device))
     vk = (masked != float("-inf")).cpu()
@@ -98,21 +99,7 @@ def _oracle(b: Any, step: Any, chain: Any) -> tuple[int, int, int, int]:
         if k is None or k.reason != ReplayReason.OK:
             continue
         rows += 1
-        m = vk[i]
-        if k.nomask:  # every finite token kept
-            bad_rows += not bool(m[torch.isfinite(raw[i].float())].all())
-            continue
-        keys = level_keys(raw[i])
-        kb = step.rows.top_keys[i] - k.boundary
-        above, tie = keys > kb, keys == kb
-        n = int(m[tie].sum())
-        rank = torch.cumsum(tie.to(torch.int64), 0)
-        ok = bool(m[above].all()) and not bool(m[~(above | tie)].any())
-        ok = ok and k.ties_lo <= n <= k.ties_hi
-        ok = ok and (not k.ties_ordered or bool((m[tie] == (rank[tie] <= n)).all()))
-        bad_rows += not ok
-    from shardmax.testing.vllm_chain import verify_inputs
-
+        bad_rows += kept_set_violation(raw[i], vk[i], k, step.rows.top_keys[i]) is not None
     want = chain.verify(b.logits, **verify_inputs(b))
     reqs = bad_reqs = 0
     for r in range(len(step.request_reason)):
@@ -122,7 +109,6 @@ def _oracle(b: Any, step: Any, chain: Any) -> tuple[int, int, int, int]:
         n = int(want.num_sampled[r])
         same = n == int(step.outputs[1][r]) and int(want.num_rejected[r]) == int(step.outputs[2][r])
         bad_reqs += not (same and torch.equal(want.sampled[r, :n].cpu(), step.outputs[0][r, :n]))
-    del temp
     return rows, bad_rows, reqs, bad_reqs
 
 

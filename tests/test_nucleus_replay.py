@@ -27,6 +27,7 @@ from shardmax.reference.nucleus_shards import (
 )
 from shardmax.runtime import topp_tables
 from shardmax.testing.shards import vllm_shard_ranges
+from shardmax.testing.topp_replay import kept_set_violation
 from shardmax.testing.traffic import lm_logits, realistic_batch
 from shardmax.testing.vllm_chain import NativeChain, _interpreter_loop_tensors, verify_inputs
 
@@ -162,6 +163,30 @@ def test_monolithic_replay_needs_vllms_table(monkeypatch: pytest.MonkeyPatch) ->
         topp_tables.set_sigma_table([1.0] * 3)
 
 
+def test_kept_set_violation_catches_each_rule() -> None:
+    """The oracle comparison itself: each way a mask can break a kept set is reported."""
+    row = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0, float("-inf")], dtype=torch.bfloat16)
+    top = int(nr.level_keys(row).max())
+    two = top - int(nr.level_keys(torch.tensor([2.0], dtype=torch.bfloat16))[0])
+    k = nr.KeptSet(nr.ReplayReason.OK, False, two, 1, 2, 3)
+    mask = torch.tensor([True, True, True, False, False, False])
+    assert kept_set_violation(row, mask, k, top) is None
+    bad = {
+        "above the boundary dropped": [False, True, True, False, False, False],
+        "below the boundary kept": [True, True, True, False, True, False],
+        "not in [1, 2]": [True, True, True, True, False, False],
+        "id order": [True, False, True, False, False, False],
+    }
+    for why, m in bad.items():
+        got = kept_set_violation(row, torch.tensor(m), k, top)
+        assert got is not None and why in got, (why, got)
+    unordered = nr.KeptSet(nr.ReplayReason.OK, False, two, 1, 2, 3, ties_ordered=False)
+    assert kept_set_violation(row, torch.tensor(bad["id order"]), unordered, top) is None
+    nomask = nr.KeptSet(nr.ReplayReason.OK, nomask=True)
+    assert kept_set_violation(row, torch.tensor([True] * 5 + [False]), nomask, top) is None
+    assert kept_set_violation(row, torch.tensor([True] * 4 + [False] * 2), nomask, top)
+
+
 # --------------------------------------------------------------------------------------------
 # against vLLM's kernels (interpreter)
 # --------------------------------------------------------------------------------------------
@@ -201,20 +226,8 @@ def _check_contains(raw: torch.Tensor, vllm_kept: torch.Tensor, p: float, temp: 
             continue
         certified += 1
         ranged += not k.certain_ties
-        m = vllm_kept[i]
-        if k.nomask:  # every finite token kept (-inf ones stay -inf either way)
-            fin = torch.isfinite(raw[i].float())
-            assert bool(m[fin].all()), f"row {i}: vLLM masks, replay says no mask"
-            continue
-        keys = nr.level_keys(raw[i])
-        kb = h.top_key - k.boundary
-        above, tie = keys > kb, keys == kb
-        assert bool(m[above].all()) and not bool(m[~(above | tie)].any()), f"row {i}: {k}"
-        n = int(m[tie].sum())
-        assert k.ties_lo <= n <= k.ties_hi, f"row {i}: {n} ties kept, replay {k}"
-        if k.ties_ordered:
-            rank = torch.cumsum(tie.to(torch.int64), 0)
-            assert bool((m[tie] == (rank[tie] <= n)).all()), f"row {i}: ties not an id prefix"
+        why = kept_set_violation(raw[i], vllm_kept[i], k, h.top_key)
+        assert why is None, f"row {i}: {why}; replay {k}"
     return certified, ranged
 
 

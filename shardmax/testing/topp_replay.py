@@ -35,6 +35,7 @@ from shardmax.reference.nucleus_replay import (
     PipelineConfig,
     ReplayReason,
     kept_masks,
+    level_keys,
     replay,
 )
 from shardmax.reference.nucleus_shards import (
@@ -45,7 +46,14 @@ from shardmax.reference.nucleus_shards import (
 from shardmax.reference.sampled import verify_sampled
 from shardmax.testing.shards import vllm_shard_ranges
 
-__all__ = ["ReplayedStep", "RowReplay", "replay_rows", "replay_step", "row_params"]
+__all__ = [
+    "ReplayedStep",
+    "RowReplay",
+    "kept_set_violation",
+    "replay_rows",
+    "replay_step",
+    "row_params",
+]
 
 NON_FINITE = "NON_FINITE"
 TIES = "TIES"
@@ -78,6 +86,34 @@ class ReplayedStep:
     request_reason: list[str]
     outputs: tuple[torch.Tensor, ...]
     hist_bytes: int
+
+
+def kept_set_violation(
+    raw_row: torch.Tensor, vllm_kept: torch.Tensor, kept: KeptSet, top_key: int
+) -> str | None:
+    """How vLLM's mask of one row breaks a certified :class:`KeptSet`, or None when it obeys it:
+    every finite token kept for ``nomask``; else every token above the boundary level kept,
+    none below it, between ``ties_lo`` and ``ties_hi`` of the boundary level kept, and those the
+    first in id order when ``ties_ordered``. ``raw_row`` bf16 / fp16 ``[V]``, ``vllm_kept`` bool
+    ``[V]`` (vLLM's output ``!= -inf``), ``top_key`` the merged histogram's."""
+    raw_row, m = raw_row.detach().cpu(), vllm_kept.detach().cpu()
+    if kept.nomask:  # -inf tokens stay -inf either way
+        fin = torch.isfinite(raw_row.float())
+        return None if bool(m[fin].all()) else "vLLM masks, the replay says no mask"
+    keys = level_keys(raw_row)
+    kb = top_key - kept.boundary
+    above, tie = keys > kb, keys == kb
+    if not bool(m[above].all()):
+        return f"{int((~m[above]).sum())} tokens above the boundary dropped"
+    if bool(m[~(above | tie)].any()):
+        return f"{int(m[~(above | tie)].sum())} tokens below the boundary kept"
+    n = int(m[tie].sum())
+    if not kept.ties_lo <= n <= kept.ties_hi:
+        return f"{n} boundary ties kept, not in [{kept.ties_lo}, {kept.ties_hi}]"
+    rank = torch.cumsum(tie.to(torch.int64), 0)
+    if kept.ties_ordered and not bool((m[tie] == (rank[tie] <= n)).all()):
+        return "the kept boundary ties are not the first in id order"
+    return None
 
 
 def row_params(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
