@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shardmax.runtime.defaults import RECORD_BLOCKS
-from shardmax.runtime.variants import DTYPES, TRANSPORTS, UNROLLED_TP, VariantKey
+from shardmax.runtime.variants import DTYPES, TOPP_DTYPES, TRANSPORTS, UNROLLED_TP, VariantKey
 
 BLOCKS = (1024, 2048, 4096, 8192)
 """Register-tile widths of the local stage (elements per program and loop step)."""
@@ -102,6 +102,22 @@ def strict_variants() -> Iterator[VariantKey]:
     yield VariantKey("strict_lse")
 
 
+TOPP_HIST_BLOCKS = (2048, 4096)
+"""Register-tile widths of the top-p histogram kernel (a key, a value and a bin per element)."""
+
+
+def topp_variants() -> Iterator[VariantKey]:
+    """Top-p replay (:mod:`shardmax.reference.nucleus_replay` in kernels): the per-rank level
+    histogram per (dtype, block), the merge of its column splits and the merge + replay per dtype
+    (the pipeline is a constexpr)."""
+    for dtype in TOPP_DTYPES:
+        for block in TOPP_HIST_BLOCKS:
+            yield VariantKey("topp_hist", dtype=dtype, block=block)
+    for family in ("topp_combine", "topp_replay"):
+        for dtype in TOPP_DTYPES:
+            yield VariantKey(family, dtype=dtype)
+
+
 def graph_variants() -> Iterator[VariantKey]:
     """A step replayed from a CUDA graph (:mod:`shardmax.runtime.graphs`): the byte copies
     between the addresses of the step's argument table."""
@@ -112,7 +128,7 @@ def all_variants() -> list[VariantKey]:
     """Every variant, in a fixed order (the MANIFEST order)."""
     return [
         *local_variants(), *finish_variants(), *sampled_variants(), *strict_variants(),
-        *graph_variants(),
+        *topp_variants(), *graph_variants(),
     ]  # fmt: skip
 
 
@@ -131,6 +147,9 @@ TEMPLATE_OF_FAMILY = {
     "strict_replay": "strict_replay.py.j2",
     "strict_lse": "strict_lse.py.j2",
     "table_copy": "table_copy.py.j2",
+    "topp_hist": "topp_hist.py.j2",
+    "topp_combine": "topp_combine.py.j2",
+    "topp_replay": "topp_replay.py.j2",
 }
 
 
@@ -141,7 +160,13 @@ def template_context(key: VariantKey) -> dict[str, object]:
         ctx.update(
             dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align, block=key.block
         )
-    elif key.family in ("sampled_record", "sampled_draw"):
+    elif key.family in (
+        "sampled_record",
+        "sampled_draw",
+        "topp_hist",
+        "topp_combine",
+        "topp_replay",
+    ):
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], block=key.block)
     elif key.family in ("block_stats", "strict_rebuild"):
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align)

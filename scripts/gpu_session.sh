@@ -36,11 +36,14 @@
 #                                   compute-sanitizer memcheck on the final code
 #   bash scripts/gpu_session.sh O   one H200: the level-histogram top-p replay against vLLM 0.33's
 #                                   own top-p kernels and chain (benchmarks/topp_replay.py)
+#   bash scripts/gpu_session.sh P   one H200: the top-p replay kernels (topp_hist / topp_replay)
+#                                   against the plain-torch replay and vLLM 0.33's own top-p mask,
+#                                   twice per step, timed (benchmarks/topp_kernels.py)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A-O}
+STAGE=${1:?stage A-P}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -283,6 +286,13 @@ O)
     --workers "$(($(nproc) - 2))" --out "$OUT/topp_replay" \
     >"$OUT/topp_replay_O.log" 2>&1
   echo "  rc=$?"; tail -n 20 "$OUT/topp_replay_O.log"
+  ;;
+P)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "top-p replay kernels vs the reference and vLLM 0.33"
+  timeout "$(left 570)" python3 -m benchmarks.topp_kernels --steps "${TOPP_STEPS:-3}" \
+    --out "$OUT/topp_kernels" >"$OUT/topp_kernels_P.log" 2>&1
+  echo "  rc=$?"; tail -n 30 "$OUT/topp_kernels_P.log"
   ;;
 *)
   echo "unknown stage $STAGE" >&2

@@ -37,6 +37,7 @@ from shardmax.reference.nucleus_replay import (
 __all__ = [
     "RECORD_BYTES",
     "ShardHistogram",
+    "decode_record",
     "merge_shard_histograms",
     "record_bytes",
     "shard_histogram",
@@ -182,4 +183,35 @@ def merge_shard_histograms(
         tile0_mean=mean,
         tile0_std=math.sqrt(var),
         saturated=saturated,
+    )
+
+
+def decode_record(words: torch.Tensor) -> ShardHistogram:
+    """The :class:`ShardHistogram` one rank's kernel record states (``topp_hist_*``, layout in
+    :mod:`shardmax.ops.topp`): int32 ``[levels // 2 + 8]`` -> counts, top key, the fp32 fields.
+
+    Raises:
+        ValueError: not a 1-D int32 tensor of an even level count's record size.
+    """
+    if not isinstance(words, torch.Tensor) or words.dim() != 1 or words.dtype != torch.int32:
+        raise ValueError("words: expected a 1-D int32 record")
+    head = words.numel() - 8
+    if head < 2:
+        raise ValueError(f"words: {words.numel()} words is not a record")
+    w = words.detach().cpu()
+    c = w[:head].to(torch.int64)
+    counts = torch.stack([c & 0xFFFF, (c >> 16) & 0xFFFF], 1).flatten()[: 2 * head - 1]
+    f = w[head + 2 :].view(torch.float32).tolist()
+    top, flags = int(w[head]), int(w[head + 1])
+    return ShardHistogram(
+        counts=counts.numpy().astype(np.uint16),
+        top_key=max(top, 0),
+        m=f[0],
+        s=f[1],
+        tail_s=f[2],
+        min_value=f[3],
+        tile0_sum=f[4],
+        tile0_sumsq=f[5],
+        tile0_n=flags & 0x3FFFFFFF,
+        nonfinite=bool((flags >> 30) & 1),
     )

@@ -20,6 +20,9 @@ fixed order and are present only when the family has that axis::
     strict_rebuild_bf16_va16        strict mode: the blocks cut by shard edges, from raw pieces
     strict_replay_va1               strict mode: the blocks of top-k/top-p/min-p kept sets
     strict_lse                      strict mode: vLLM's cross-block LSE combine
+    topp_hist_bf16_b2048            top-p replay, local stage: shard -> level-histogram record
+    topp_combine_bf16               top-p replay, local stage: a row's split records -> its record
+    topp_replay_bf16                top-p replay: the ranks' records -> each row's kept set
     table_copy                      a replayed step's byte copies between table-held addresses
 
 ``tp`` is ``2``, ``4`` or ``8`` (the loop over ranks is unrolled) or ``n`` (any TP size,
@@ -47,13 +50,19 @@ FAMILIES = (
     "strict_replay",
     "strict_lse",
     "table_copy",
+    "topp_hist",
+    "topp_combine",
+    "topp_replay",
 )
+TOPP_DTYPES = ("bf16", "fp16")
+"""Dtypes with 16-bit level keys (the top-p replay's histograms)."""
 TRANSPORTS = ("allgather", "allreduce")
 UNROLLED_TP = (2, 4, 8)
 
 _NAME_RE = re.compile(
     r"^(?P<family>shard_keys|argmax_pick|verify_finish|sampled_record|sampled_finish"
-    r"|sampled_draw|sampled_pick|sampled_merge|row_params|block_stats|strict_rebuild|strict_replay|strict_lse|table_copy)"
+    r"|sampled_draw|sampled_pick|sampled_merge|row_params|block_stats|strict_rebuild|strict_replay|strict_lse|table_copy"
+    r"|topp_hist|topp_combine|topp_replay)"
     r"(?:_(?P<dtype>bf16|fp16|fp32))?"
     r"(?:_va(?P<align>\d+))?"
     r"(?:_b(?P<block>\d+))?"
@@ -106,6 +115,14 @@ class VariantKey:
                 or (self.dtype, self.block, self.tp, self.transport) != (None,) * 4
             ):
                 raise ValueError(f"strict_replay has only the align axis (1 or 16): {self}")
+        elif self.family in ("topp_hist", "topp_combine", "topp_replay"):
+            if (
+                self.dtype not in TOPP_DTYPES
+                or (self.align, self.tp, self.transport) != (None,) * 3
+            ):
+                raise ValueError(f"{self.family} needs dtype bf16 or fp16 (no align/tp): {self}")
+            if (self.block is None) != (self.family != "topp_hist"):
+                raise ValueError(f"topp_hist needs a block, {self.family} has none: {self}")
         elif self.family == "sampled_finish":
             if self.dtype is not None or self.align is not None or self.block is not None:
                 raise ValueError(f"sampled_finish has no dtype/align/block axis: {self}")

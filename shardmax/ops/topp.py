@@ -1,0 +1,225 @@
+"""Top-p kept sets from vocab shards: level histograms per rank, one exchange, the replay.
+
+The kernel form of :mod:`shardmax.reference.nucleus_replay` and
+:mod:`shardmax.reference.nucleus_shards` (their docstrings state the semantics: vLLM 0.32 /
+0.33's top-p searches replayed on a level histogram, every decision certified). One step:
+
+1. :func:`topp_histograms` -- each TP rank, on its own vocab shard: ``topp_hist_*`` writes one
+   :data:`RECORD_WORDS`-word int32 record per row (:data:`RECORD_BYTES` bytes: 511 uint16 level
+   counts below the shard's top key, the top key, max, ``sum exp``, tail mass, min, the first
+   tile's sums) -- per column split of the shard when the rows are too few to fill the GPU, and
+   ``topp_combine_*`` then merges the splits' records into the rank's;
+2. the records cross the ranks (``all_gather`` along a new leading dim: ``[tp, rows, words]``);
+3. :func:`topp_kept_sets` -- every rank, on the same gathered bytes: ``topp_replay_*`` merges
+   each row's records and replays the pipeline vLLM runs for it, writing the certified kept set
+   (or the reason it is not certified) per row.
+
+Both launches are fixed-shape and allocation-free given ``out`` buffers (CUDA-graph capturable);
+nothing here reads a value back on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from shardmax.reference.nucleus_replay import HIST_LEVELS, Pipeline
+from shardmax.runtime.defaults import TARGET_PROGRAMS, default_record_splits
+from shardmax.runtime.kernels import kernel
+from shardmax.runtime.variants import VariantKey
+
+__all__ = [
+    "KEPT_WORDS",
+    "RECORD_BYTES",
+    "RECORD_WORDS",
+    "TOPP_HIST_BLOCK",
+    "topp_hist_splits",
+    "topp_histograms",
+    "topp_kept_sets",
+]
+
+RECORD_WORDS = HIST_LEVELS // 2 + 8
+"""int32 words of one rank's record of one row (the exchange's unit)."""
+RECORD_BYTES = 4 * RECORD_WORDS
+KEPT_WORDS = 10
+"""int32 words of :func:`topp_kept_sets`' answer per row: reason, nomask, boundary, ties_lo,
+ties_hi, count, ordered, branches, top_key, boundary_key."""
+TOPP_HIST_BLOCK = 4096
+"""Register tile of ``topp_hist_*`` until the tuner measures the family (both blocks are
+generated and exact)."""
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _dtype_name(t: torch.Tensor, arg: str) -> str:
+    name = _DTYPES.get(t.dtype)
+    if name is None:
+        raise TypeError(f"{arg}: top-p level histograms need bf16 / fp16 logits, got {t.dtype}")
+    return name
+
+
+def _row_vector(t: torch.Tensor, rows: int, arg: str, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.shape != (rows,):
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{arg}: expected fp32 [{rows}], got {shape}")
+    if t.dtype != torch.float32 or t.device != device:
+        raise TypeError(f"{arg}: expected fp32 on {device}, got {t.dtype} on {t.device}")
+    return t.contiguous()
+
+
+def topp_hist_splits(rows: int, width: int, block: int, device: torch.device) -> int:
+    """Column splits per row :func:`topp_histograms` uses by default: about
+    ``TARGET_PROGRAMS`` programs, at least two ``block`` tiles each (a function of the padded
+    shard width, the same on every rank); 1 under the interpreter (CPU tensors)."""
+    target = 1 if device.type == "cpu" else TARGET_PROGRAMS
+    return default_record_splits(rows, width, block, target)
+
+
+def topp_histograms(
+    local_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    *,
+    num_valid: int,
+    vocab_start: int,
+    tile0: int = 8192,
+    block: int = TOPP_HIST_BLOCK,
+    splits: int | None = None,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One rank's top-p records: ``int32 [rows, RECORD_WORDS]`` (module docstring, step 1).
+
+    Args:
+        local_logits: bf16 / fp16 ``[rows, >= num_valid]`` -- this rank's vocab shard of the
+            target logits (raw, before temperature), last dim contiguous; padding columns past
+            ``num_valid`` are never read.
+        temperature: fp32 ``[rows]`` -- each row's request temperature (0 / 1: untouched).
+        num_valid: real columns of the shard; ``vocab_start``: the global id of column 0.
+        tile0: vLLM's first-tile width for the monolithic pipeline's mean / std (8192 on CUDA).
+        block: ``topp_hist_*`` register tile (2048 or 4096).
+        splits: programs per row (default: enough to fill the GPU, at least two tiles each, from
+            the shard width -- the same on every rank; 1 under the interpreter).
+        out: optional ``int32 [rows, RECORD_WORDS]`` to write into (no allocation).
+        scratch: optional ``int32 [splits * rows, RECORD_WORDS]`` for the split records (with
+            ``out`` and ``scratch``, nothing is allocated: the call is CUDA-graph capturable).
+
+    Raises:
+        TypeError: logits not bf16 / fp16, a parameter tensor of another dtype / device.
+        ValueError: shapes, ``num_valid`` / ``vocab_start`` / ``block`` out of range.
+    """
+    if not isinstance(local_logits, torch.Tensor) or local_logits.dim() != 2:
+        raise ValueError("local_logits: expected a 2-D [rows, columns] tensor")
+    dtype = _dtype_name(local_logits, "local_logits")
+    rows, width = local_logits.shape
+    if local_logits.stride(1) != 1 and width > 1:
+        raise ValueError(
+            f"local_logits: last dim must be contiguous, stride {local_logits.stride()}"
+        )
+    if not 0 <= num_valid <= width:
+        raise ValueError(f"num_valid: {num_valid} outside [0, {width}]")
+    if vocab_start < 0 or vocab_start + num_valid >= 2**31:
+        raise ValueError(f"vocab_start: {vocab_start} out of range")
+    if block not in (2048, 4096):
+        raise ValueError(f"block: expected 2048 or 4096, got {block}")
+    temperature = _row_vector(temperature, rows, "temperature", local_logits.device)
+    if out is None:
+        out = torch.empty((rows, RECORD_WORDS), dtype=torch.int32, device=local_logits.device)
+    elif out.shape != (rows, RECORD_WORDS) or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"out: expected contiguous int32 [{rows}, {RECORD_WORDS}]")
+    if splits is None:
+        splits = topp_hist_splits(rows, width, block, local_logits.device)
+    if splits < 1:
+        raise ValueError(f"splits: expected >= 1, got {splits}")
+    if rows == 0:
+        return out
+    chunk = triton.cdiv(triton.cdiv(max(num_valid, 1), splits), block) * block
+    dest = out
+    if splits > 1:
+        shape = (splits * rows, RECORD_WORDS)
+        if scratch is None:
+            scratch = torch.empty(shape, dtype=torch.int32, device=local_logits.device)
+        elif scratch.shape != shape or scratch.dtype != torch.int32 or not scratch.is_contiguous():
+            raise ValueError(f"scratch: expected contiguous int32 {list(shape)}")
+        dest = scratch
+    name = VariantKey("topp_hist", dtype=dtype, block=block).name
+    kernel(name)(
+        (rows, splits), local_logits, temperature, dest, local_logits.stride(0), num_valid,
+        chunk, vocab_start, tile0, LEVELS=HIST_LEVELS, BLOCK=block,
+    )  # fmt: skip
+    if splits > 1:
+        kernel(VariantKey("topp_combine", dtype=dtype).name)(
+            (rows,), dest, temperature, out, rows, splits, LEVELS=HIST_LEVELS
+        )
+    return out
+
+
+def topp_kept_sets(
+    records: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    sigma: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    pipeline: Pipeline,
+    tile0: int = 8192,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's certified kept set from the gathered records (module docstring, step 3).
+
+    Args:
+        records: int32 ``[tp, rows, RECORD_WORDS]`` -- every rank's :func:`topp_histograms`,
+            rank-major (``all_gather`` along dim 0).
+        temperature / top_p: fp32 ``[rows]`` (``top_p >= 1``: no top-p, answered "no mask").
+        sigma: fp32 ``[200]`` -- vLLM's ``_NORMAL_CDF_TO_SIGMA_TABLE`` (read by the monolithic
+            pipeline only; :func:`shardmax.runtime.topp_tables.sigma_table`).
+        dtype: the logits' dtype (bf16 / fp16: how level keys map to values).
+        pipeline: the :class:`~shardmax.reference.nucleus_replay.Pipeline` vLLM runs for these
+            rows (:func:`~shardmax.reference.nucleus_replay.pipeline_for`).
+        tile0: the monolithic kernel's first-tile width (as given to :func:`topp_histograms`).
+
+    Returns:
+        ``(kept, stat)``: int32 ``[rows, KEPT_WORDS]`` (:data:`KEPT_WORDS`; ``reason`` is a
+        :class:`~shardmax.reference.nucleus_replay.ReplayReason` value, 7 for a row with NaN /
+        ``+inf`` or no finite value) and fp64 ``[rows, 2]`` (processed max ``m``, ``z = sum
+        exp(x - m)``).
+
+    Raises:
+        TypeError / ValueError: dtypes, shapes or devices other than the above.
+    """
+    dname = _DTYPES.get(dtype)
+    if dname is None:
+        raise TypeError(f"dtype: top-p replay needs bf16 / fp16, got {dtype}")
+    if not isinstance(records, torch.Tensor) or records.dim() != 3:
+        raise ValueError("records: expected int32 [tp, rows, RECORD_WORDS]")
+    tp, rows, words = records.shape
+    if records.dtype != torch.int32 or words != RECORD_WORDS or not records.is_contiguous():
+        raise ValueError(
+            f"records: expected contiguous int32 [tp, rows, {RECORD_WORDS}], got "
+            f"{records.dtype} {tuple(records.shape)}"
+        )
+    if tp < 1:
+        raise ValueError("records: no rank")
+    device = records.device
+    temperature = _row_vector(temperature, rows, "temperature", device)
+    top_p = _row_vector(top_p, rows, "top_p", device)
+    if sigma.shape != (200,) or sigma.dtype != torch.float32 or sigma.device != device:
+        raise ValueError(
+            f"sigma: expected fp32 [200] on {device}, got {sigma.dtype} {tuple(sigma.shape)}"
+        )
+    pipeline = Pipeline(pipeline)
+    if out is None:
+        kept = torch.empty((rows, KEPT_WORDS), dtype=torch.int32, device=device)
+        stat = torch.empty((rows, 2), dtype=torch.float64, device=device)
+    else:
+        kept, stat = out
+        if kept.shape != (rows, KEPT_WORDS) or kept.dtype != torch.int32 or stat.shape != (
+            rows, 2) or stat.dtype != torch.float64:  # fmt: skip
+            raise ValueError(f"out: expected (int32 [{rows}, {KEPT_WORDS}], fp64 [{rows}, 2])")
+    if rows == 0:
+        return kept, stat
+    name = VariantKey("topp_replay", dtype=dname).name
+    kernel(name)(
+        (rows,), records, temperature, top_p, sigma, kept, stat, rows, tp, tile0,
+        PIPELINE=int(pipeline), LEVELS=HIST_LEVELS,
+    )  # fmt: skip
+    return kept, stat

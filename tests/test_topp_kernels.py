@@ -1,0 +1,270 @@
+"""The top-p replay kernels (``topp_hist_*``, ``topp_replay_*``) against the plain-torch reference.
+
+``topp_hist_*`` must write, per rank and row, the record :func:`shard_histogram` states (counts,
+top key, max, min and the first tile's count exactly; the fp32 sums to their rounding);
+``topp_replay_*`` must answer, per row, exactly what :func:`replay` answers on the histogram merged
+from the same records -- every field of the kept set, and the same reason where it flags. Rows:
+LM-like logits (the realistic profile and a hot one, so that deep searches, branch points and
+boundary ties occur), random-normal rows (wide nuclei), planted ties at shard edges, padding that
+would win if read, NaN / +inf / all -inf rows, saturated levels, strided shards; TP 1-8.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from shardmax.ops.topp import KEPT_WORDS, RECORD_WORDS, topp_histograms, topp_kept_sets
+from shardmax.reference.nucleus_replay import (
+    Pipeline,
+    PipelineConfig,
+    ReplayReason,
+    level_histogram,
+    replay,
+)
+from shardmax.reference.nucleus_shards import (
+    decode_record,
+    merge_shard_histograms,
+    shard_histogram,
+)
+from shardmax.testing.shards import vllm_shard_ranges
+from shardmax.testing.traffic import LM_PROFILE, EntropyProfile, lm_logits
+
+HOT = EntropyProfile(((0.5, 2.0, 0.4), (2.0, 5.0, 0.6)))
+"""Mostly high-entropy rows: the searches that reach deep levels, the tail and branch points."""
+NONFINITE = 7
+SIGMA = torch.special.ndtri((torch.arange(200, dtype=torch.float64) + 0.5) / 200).float()
+"""A stand-in for vLLM's sigma table (the kernels and the reference read the same one)."""
+
+
+def _rows(vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """LM-like rows (both profiles), random-normal rows and constructed edge rows."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = [
+        lm_logits(6, vocab, seed=seed, dtype=dtype, profile=LM_PROFILE),
+        lm_logits(10, vocab, seed=seed + 1, dtype=dtype, profile=HOT),
+        (torch.randn(3, vocab, generator=gen) * 2.0).to(dtype),
+    ]
+    x = lm_logits(6, vocab, seed=seed + 2, dtype=dtype, profile=HOT)
+    top = x[0].float().max()
+    x[0, -3:] = top  # a tie of the top at the last ids (the last shard's edge)
+    x[1, :: max(1, vocab // 7)] = x[1].float().max()  # ties of the top across every shard
+    x[2, 5] = float("nan")
+    x[3, 7] = float("inf")
+    x[4] = float("-inf")  # no finite value
+    x[5, : vocab // 2] = float("-inf")  # half the row masked
+    x[5, vocab // 2 + 1] = -0.0
+    parts.append(x)
+    flat = (torch.arange(vocab) % 5 == 0).to(dtype) * -3.0  # two levels, many tokens each
+    spike = torch.randn(vocab, generator=gen) * 0.01  # a max 90 nats above the first tile's
+    spike[vocab - 10] = 90.0  # mean + 10 std: the monolithic kernel's exp(x - max_sample)
+    parts.append(torch.stack([flat, spike.to(dtype)]))
+    return torch.cat(parts)
+
+
+def _planted_top_p(x: torch.Tensor, temp: torch.Tensor, rows: range, gen) -> dict[int, float]:
+    """A top-p equal (in fp32) to the mass of a row's first ``k`` levels: the search then meets
+    a mass within rounding of ``p`` -- branch points and MASS_MARGIN flags."""
+    out = {}
+    for i in rows:
+        h = level_histogram(x[i], float(temp[i]))
+        cum = np.cumsum(h.counts * np.exp(h.values - h.m) / h.z)
+        ks = np.nonzero((cum > 0.3) & (cum < 0.97))[0]
+        if ks.size:
+            k = int(ks[int(torch.randint(ks.size, (1,), generator=gen))])
+            out[i] = float(np.float32(cum[k]))
+    return out
+
+
+def _records(
+    x: torch.Tensor,
+    temp: torch.Tensor,
+    tp: int,
+    tile0: int,
+    block: int,
+    splits: int = 1,
+    pad: float = 1e4,
+) -> list[torch.Tensor]:
+    """Each vLLM rank's records, its shard held in a padded, strided buffer whose padding
+    columns would win every comparison if read; ``splits`` column splits per row (merged by
+    ``topp_combine_*``)."""
+    out = []
+    for start, n, width in vllm_shard_ranges(x.shape[1], tp):
+        buf = torch.full((x.shape[0], width + 24), pad, dtype=x.dtype)
+        buf[:, 8 : 8 + n] = x[:, start : start + n]
+        local = buf[:, 8 : 8 + width]  # row stride width + 24, not the shard's width
+        rec = topp_histograms(local, temp, num_valid=n, vocab_start=start, tile0=tile0,
+                              block=block, splits=splits)  # fmt: skip
+        out.append(rec)
+    return out
+
+
+def _temps(rows: int) -> torch.Tensor:
+    return torch.tensor([(1.0, 0.7, 1.3, 0.0)[i % 4] for i in range(rows)], dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "tp", "dtype", "block", "splits"),
+    [
+        (3001, 1, torch.bfloat16, 2048, 1),
+        (5750, 3, torch.float16, 4096, 1),
+        (9000, 4, torch.bfloat16, 2048, 1),
+        (4099, 8, torch.bfloat16, 4096, 1),
+        (20000, 1, torch.bfloat16, 2048, 3),  # the top and the first tile in split 0 only
+        (12000, 2, torch.float16, 2048, 4),  # empty splits past num_valid
+    ],
+)
+def test_records_match_reference(
+    vocab: int, tp: int, dtype: torch.dtype, block: int, splits: int
+) -> None:
+    """One rank's record of each row == :func:`shard_histogram` of its shard (split records
+    merged by ``topp_combine_*`` included)."""
+    x = _rows(vocab, dtype, seed=vocab + tp)
+    temp = _temps(x.shape[0])
+    tile0 = 256 if tp != 4 else 8192
+    recs = _records(x, temp, tp, tile0, block, splits)
+    for r, (start, n, _w) in enumerate(vllm_shard_ranges(vocab, tp)):
+        assert recs[r].shape == (x.shape[0], RECORD_WORDS)
+        for i in range(x.shape[0]):
+            got = decode_record(recs[r][i])
+            want = shard_histogram(x[i, start : start + n], start, float(temp[i]), tile0=tile0)
+            where = f"rank {r} row {i}"
+            assert np.array_equal(got.counts, want.counts), where
+            assert got.nonfinite == want.nonfinite, where
+            assert got.tile0_n == want.tile0_n, where
+            if want.m == -math.inf:
+                assert int(recs[r][i, RECORD_WORDS - 8]) == -1 and got.m == -math.inf, where
+                continue
+            assert (got.top_key, got.m, got.min_value) == (want.top_key, want.m, want.min_value)
+            assert got.s == pytest.approx(want.s, rel=1e-6), where
+            assert got.tail_s == pytest.approx(want.tail_s, rel=1e-6, abs=1e-30), where
+            spread = math.sqrt(max(want.tile0_n, 1) * want.tile0_sumsq) + 1.0
+            assert abs(got.tile0_sum - want.tile0_sum) <= 1e-6 * spread, where
+            assert got.tile0_sumsq == pytest.approx(want.tile0_sumsq, rel=1e-6, abs=1e-6)
+
+
+def test_records_saturate_at_16_bits() -> None:
+    """A level with more than 65535 tokens saturates its count (the replay then flags the row)."""
+    x = torch.full((1, 70000), 1.0 - 2.0**-8, dtype=torch.bfloat16)  # the level below 1.0
+    x[0, 3] = 1.0
+    rec = _records(x, torch.ones(1), 1, 256, 4096)[0]
+    h = decode_record(rec[0])
+    assert int(h.counts[0]) == 1 and int(h.counts[1:].max()) == 0xFFFF
+    kept, _ = topp_kept_sets(
+        rec[None], torch.ones(1), torch.full((1,), 0.9), SIGMA, dtype=x.dtype,
+        pipeline=Pipeline.SPLIT,
+    )  # fmt: skip
+    assert int(kept[0, 0]) == ReplayReason.SATURATED
+
+
+def _expected(parts, dtype, t: float, p: float, cfg: PipelineConfig) -> tuple:
+    h = merge_shard_histograms(parts, dtype, t)
+    if h is None:
+        return (NONFINITE,)
+    if p >= 1.0:
+        return (0, 1, -1)
+    k = replay(h, p, cfg, SIGMA.tolist())
+    if k.reason != ReplayReason.OK:
+        return (int(k.reason),)
+    if k.nomask:
+        return (0, 1, -1)
+    return (0, 0, k.boundary, k.ties_lo, k.ties_hi, k.count, int(k.ties_ordered), k.branches)
+
+
+def _got(row: list[int]) -> tuple:
+    if row[0] != 0:
+        return (row[0],)
+    if row[1]:
+        return (0, 1, row[9])
+    return tuple(row[:8])
+
+
+@pytest.mark.parametrize(
+    ("vocab", "tp", "dtype", "pipeline", "tile0", "branch"),
+    [
+        (4099, 2, torch.bfloat16, Pipeline.SPLIT, 8192, False),
+        (5750, 3, torch.float16, Pipeline.SPLIT_V032, 8192, False),
+        (5000, 4, torch.bfloat16, Pipeline.MONOLITHIC, 256, False),
+        (3001, 1, torch.bfloat16, Pipeline.MONOLITHIC, 8192, True),
+        (8192, 8, torch.bfloat16, Pipeline.SPLIT, 8192, False),
+        (16384, 2, torch.bfloat16, Pipeline.MONOLITHIC, 8192, False),
+    ],
+)
+def test_kept_sets_match_reference(
+    vocab: int, tp: int, dtype: torch.dtype, pipeline: Pipeline, tile0: int, branch: bool
+) -> None:
+    """Every row's kernel answer == the reference's; each case also meets certified rows, a
+    boundary-tie range, non-finite rows and a margin flag (``branch``: a branch point), so
+    that it compares more than the easy path."""
+    seen: dict[str, set] = {"reason": set(), "branches": set(), "ranges": set()}
+    x = _rows(vocab, dtype, seed=7 * vocab + tp)
+    rows = x.shape[0]
+    temp = _temps(rows)
+    top_p = torch.tensor([(0.95, 0.8, 0.5, 0.99, 1.0, 0.95)[i % 6] for i in range(rows)])
+    gen = torch.Generator().manual_seed(vocab)
+    for i, p in _planted_top_p(x, temp, range(6, 16), gen).items():
+        top_p[i] = p
+    splits = 2 if vocab >= 16384 else 1
+    recs = torch.stack(_records(x, temp, tp, tile0, 2048, splits))
+    kept, stat = topp_kept_sets(
+        recs, temp, top_p, SIGMA, dtype=dtype, pipeline=pipeline, tile0=tile0
+    )
+    assert kept.shape == (rows, KEPT_WORDS) and stat.shape == (rows, 2)
+    cfg = PipelineConfig(pipeline, tile0)
+    for i in range(rows):
+        parts = [decode_record(recs[r, i]) for r in range(tp)]
+        want = _expected(parts, dtype, float(temp[i]), float(top_p[i]), cfg)
+        row = kept[i].tolist()
+        got = _got(row)
+        if want[:2] == (0, 1):
+            got = (*got[:2], -1)
+        assert got == want, f"row {i}: kernel {row}, reference {want}"
+        seen["reason"].add(want[0])
+        if len(want) == 8:
+            seen["branches"].add(want[7])
+            seen["ranges"].add(want[3] != want[4])
+            h = merge_shard_histograms(parts, dtype, float(temp[i]))
+            assert h is not None
+            assert row[8] == h.top_key and row[9] == h.top_key - want[2]
+            assert float(stat[i, 0]) == h.m
+            assert float(stat[i, 1]) == pytest.approx(h.z, rel=1e-12)
+    assert {0, NONFINITE, ReplayReason.MASS_MARGIN} <= seen["reason"], seen
+    assert True in seen["ranges"], seen
+    assert not branch or 1 in seen["branches"], seen
+
+
+def test_errors_name_the_argument() -> None:
+    x = torch.zeros(2, 64, dtype=torch.float32)
+    with pytest.raises(TypeError, match="local_logits"):
+        topp_histograms(x, torch.ones(2), num_valid=64, vocab_start=0)
+    xb = x.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="num_valid"):
+        topp_histograms(xb, torch.ones(2), num_valid=65, vocab_start=0)
+    with pytest.raises(ValueError, match="temperature"):
+        topp_histograms(xb, torch.ones(3), num_valid=64, vocab_start=0)
+    with pytest.raises(TypeError, match="temperature"):
+        topp_histograms(xb, torch.ones(2, dtype=torch.float64), num_valid=64, vocab_start=0)
+    with pytest.raises(ValueError, match="block"):
+        topp_histograms(xb, torch.ones(2), num_valid=64, vocab_start=0, block=512)
+    rec = torch.zeros(1, 2, RECORD_WORDS, dtype=torch.int32)
+    with pytest.raises(ValueError, match="records"):
+        topp_kept_sets(rec[0], torch.ones(2), torch.ones(2), SIGMA, dtype=xb.dtype,
+                       pipeline=Pipeline.SPLIT)  # fmt: skip
+    with pytest.raises(ValueError, match="sigma"):
+        topp_kept_sets(rec, torch.ones(2), torch.ones(2), SIGMA[:10], dtype=xb.dtype,
+                       pipeline=Pipeline.SPLIT)  # fmt: skip
+    with pytest.raises(TypeError, match="dtype"):
+        topp_kept_sets(rec, torch.ones(2), torch.ones(2), SIGMA, dtype=torch.float32,
+                       pipeline=Pipeline.SPLIT)  # fmt: skip
+
+
+def test_empty_batch() -> None:
+    x = torch.zeros(0, 64, dtype=torch.bfloat16)
+    rec = topp_histograms(x, torch.ones(0), num_valid=64, vocab_start=0)
+    assert rec.shape == (0, RECORD_WORDS)
+    kept, stat = topp_kept_sets(rec[None], torch.ones(0), torch.ones(0), SIGMA,
+                                dtype=x.dtype, pipeline=Pipeline.SPLIT)  # fmt: skip
+    assert kept.shape == (0, KEPT_WORDS) and stat.shape == (0, 2)
