@@ -43,7 +43,9 @@ K = 3
 SEED0 = 9100
 FIELDS = ["vocab", "tp", "rows", "pipeline", "steps", "topp_rows", "certified_pct", "reasons",
           "parity_mismatch", "oracle_rows", "oracle_mismatch", "nondeterministic",
-          "hist_us", "hist_b2048_us", "hist_b4096_us", "splits", "replay_us", "vllm_topp_us",
+          "hist_us", "hist_b2048_atomic_us", "hist_b2048_histogram_us", "hist_b4096_atomic_us",
+          "hist_b4096_histogram_us", "splits", "hist_us_per_splits", "replay_us",
+          "replay_us_per_warps", "vllm_topp_us",
           "floor_us", "host_us",
           "record_bytes_per_rank", "shard_bytes_per_rank", "bytes_pct"]  # fmt: skip
 
@@ -104,7 +106,7 @@ def _got(row: list[int]) -> tuple:
 
 
 def _time_case(
-    rank0: tuple[torch.Tensor, int, int],
+    ranks: list[tuple[torch.Tensor, int, int]],
     logits: torch.Tensor,
     temp: torch.Tensor,
     top_p: torch.Tensor,
@@ -113,9 +115,10 @@ def _time_case(
     tp: int,
     chain: Any,
     gbps: float,
-) -> tuple[dict[int, float], float, float, float, int]:
-    """(one rank's local stage us per block {2048, 4096}, topp_replay us, vLLM's top-p us, eager
-    host us of the local stage and the replay, splits)."""
+) -> tuple[dict[tuple[int, bool], float], float, float, float, int, dict, dict]:
+    """(one rank's local stage us per (block 2048 / 4096, atomic counts or tl.histogram),
+    topp_replay us, vLLM's top-p us, eager host us of the fastest local stage and the replay,
+    its splits)."""
     from benchmarks.timing import copies_for_cold, measure
     from shardmax.ops.topp import (
         KEPT_WORDS,
@@ -124,42 +127,71 @@ def _time_case(
         topp_histograms,
         topp_kept_sets,
     )
+    from shardmax.reference.nucleus_replay import HIST_LEVELS
 
     dev = logits.device
     rows = logits.shape[0]
+    rank0 = ranks[0]
     copies = copies_for_cold(rank0[0].numel() * 2, dev)
     sets = [rank0[0].clone() for _ in range(copies)]
     n, start = rank0[1], rank0[2]
     rec = torch.zeros((tp, rows, RECORD_WORDS), dtype=torch.int32, device=dev)
+    for r, (buf, nv, vs) in enumerate(ranks):  # the replay is timed on the step's real records
+        topp_histograms(buf, temp, num_valid=nv, vocab_start=vs, out=rec[r])
+    hist_out = torch.empty((rows, RECORD_WORDS), dtype=torch.int32, device=dev)
     kept = torch.empty((rows, KEPT_WORDS), dtype=torch.int32, device=dev)
     stat = torch.empty((rows, 2), dtype=torch.float64, device=dev)
 
     width = rank0[0].shape[1]
     splits = {b: topp_hist_splits(rows, width, b, dev) for b in (2048, 4096)}
-    scratch = {
-        b: torch.empty((s * rows, RECORD_WORDS), dtype=torch.int32, device=dev)
-        for b, s in splits.items()
+    block, atomic, nsplit = 4096, True, splits[4096]
+    bufs = {
+        (b, k): (
+            torch.empty((k * rows, RECORD_WORDS), dtype=torch.int32, device=dev),
+            torch.empty((k * rows, HIST_LEVELS), dtype=torch.int32, device=dev),
+        )
+        for b in (2048, 4096)
+        for k in (1, 2, 4, 8, 16, 32)
     }
-    block = 4096
 
     def hist(i: int) -> None:
+        scr, cnt = bufs[(block, nsplit)]
         topp_histograms(sets[i], temp, num_valid=n, vocab_start=start, block=block,
-                        out=rec[0], scratch=scratch[block])  # fmt: skip
+                        splits=nsplit, out=hist_out, scratch=scr, counts=cnt,
+                        atomic=atomic)  # fmt: skip
+
+    rep_warps: list[int | None] = [None]
 
     def rep(i: int) -> None:
         topp_kept_sets(rec, temp, top_p, sigma, dtype=logits.dtype, pipeline=pipeline,
-                       out=(kept, stat))  # fmt: skip
+                       out=(kept, stat), num_warps=rep_warps[0])  # fmt: skip
 
     full = [logits.float() for _ in range(max(1, copies // (2 * tp)))]
 
     def vllm(i: int) -> None:  # in place: later launches see masked rows
         chain.modules.topk_topp.apply_top_k_top_p_triton(full[i], None, top_p)
 
-    t_hist = {}
+    t_hist: dict[tuple[int, bool], float] = {}
     for block in (2048, 4096):
-        t_hist[block] = measure(hist, copies, dev).p50
-    block = min(t_hist, key=t_hist.__getitem__)
-    t_rep = measure(rep, 1, dev).p50
+        for atomic in (True, False):
+            nsplit = splits[block]
+            t_hist[(block, atomic)] = measure(hist, copies, dev).p50
+    block, atomic = min(t_hist, key=t_hist.__getitem__)
+    # the splits sweep at the faster (block, counting): splits 1 .. MAX_SPLITS
+    t_split = {}
+    for nsplit in (1, 2, 4, 8, 16, 32):
+        if (nsplit - 1) * block < n:
+            t_split[nsplit] = measure(hist, copies, dev).p50
+    nsplit = splits[block]
+    print(f"[topp_kernels] rows {rows} width {width} block {block} atomic {atomic}: "
+          f"us per splits {t_split}", flush=True)  # fmt: skip
+    t_rep_w = {}
+    for warps in (1, 2, 4, 8):
+        rep_warps[0] = warps
+        t_rep_w[warps] = measure(rep, 1, dev).p50
+    rep_warps[0] = None
+    print(f"[topp_kernels] replay us per warps {t_rep_w}", flush=True)
+    t_rep = min(t_rep_w.values())
     try:
         t_vllm = measure(vllm, len(full), dev).p50
     except Exception as e:
@@ -173,7 +205,7 @@ def _time_case(
         rep(0)
     host = (time.perf_counter() - t0) * 1e6 / calls
     torch.cuda.synchronize()
-    return t_hist, t_rep, t_vllm, host, splits[block]
+    return t_hist, t_rep, t_vllm, host, splits[block], t_split, t_rep_w
 
 
 def run(
@@ -235,8 +267,8 @@ def run(
                         agg["orc_bad"] += kept_set_violation(raw[i], vk[i], ks, row[8]) is not None
                 # timing on the last step's rows
                 width = ranks[0][0].shape[1]
-                t_hist, t_rep, t_vllm, host, splits = _time_case(
-                    ranks[0], b.logits, temp, top_p, sigma, cfg.pipeline, tp, chain, gbps
+                t_hist, t_rep, t_vllm, host, splits, t_split, t_rep_w = _time_case(
+                    ranks, b.logits, temp, top_p, sigma, cfg.pipeline, tp, chain, gbps
                 )
                 shard_bytes = rows * width * 2
                 out.append({
@@ -248,8 +280,11 @@ def run(
                     "parity_mismatch": agg["par"], "oracle_rows": agg["orc"],
                     "oracle_mismatch": agg["orc_bad"], "nondeterministic": agg["nondet"],
                     "hist_us": round(min(t_hist.values()), 2),
-                    "hist_b2048_us": round(t_hist[2048], 2), "hist_b4096_us": round(t_hist[4096], 2),
+                    **{f"hist_b{b}_{'atomic' if a else 'histogram'}_us": round(t, 2)
+                       for (b, a), t in t_hist.items()},
                     "splits": splits, "replay_us": round(t_rep, 2),
+                    "hist_us_per_splits": json.dumps({k: round(t, 2) for k, t in t_split.items()}),
+                    "replay_us_per_warps": json.dumps({k: round(t, 2) for k, t in t_rep_w.items()}),
                     "vllm_topp_us": round(t_vllm, 2),
                     "floor_us": round(shard_bytes / (gbps * 1e3), 2),
                     "host_us": round(host, 1), "record_bytes_per_rank": rows * RECORD_WORDS * 4,
@@ -295,16 +330,17 @@ def summary(rows: list[dict], device: str) -> str:
         "eager Python cost of the two launches.",
         "",
         "| V | TP | rows | pipeline | top-p rows | certified % | parity | oracle bad / rows | "
-        "nondet | local us (b2048 / b4096, splits) | replay us | vLLM top-p us | floor us | "
-        "host us | bytes % |",
+        "nondet | local us: atomic b2048 / b4096, tl.histogram b2048 / b4096 (splits) | "
+        "replay us | vLLM top-p us | floor us | host us | bytes % |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['vocab']} | {r['tp']} | {r['rows']} | {r['pipeline']} | {r['topp_rows']} | "
             f"{r['certified_pct']:.2f} | {r['parity_mismatch']} | {r['oracle_mismatch']} / "
-            f"{r['oracle_rows']} | {r['nondeterministic']} | {r['hist_b2048_us']} / "
-            f"{r['hist_b4096_us']} ({r['splits']}) | {r['replay_us']} | "
+            f"{r['oracle_rows']} | {r['nondeterministic']} | {r['hist_b2048_atomic_us']} / "
+            f"{r['hist_b4096_atomic_us']}, {r['hist_b2048_histogram_us']} / "
+            f"{r['hist_b4096_histogram_us']} ({r['splits']}) | {r['replay_us']} | "
             f"{r['vllm_topp_us']} | {r['floor_us']} | {r['host_us']} | {r['bytes_pct']} |"
         )
     return "\n".join(lines) + "\n"

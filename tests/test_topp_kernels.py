@@ -86,6 +86,7 @@ def _records(
     tile0: int,
     block: int,
     splits: int = 1,
+    atomic: bool = True,
     pad: float = 1e4,
 ) -> list[torch.Tensor]:
     """Each vLLM rank's records, its shard held in a padded, strided buffer whose padding
@@ -97,7 +98,7 @@ def _records(
         buf[:, 8 : 8 + n] = x[:, start : start + n]
         local = buf[:, 8 : 8 + width]  # row stride width + 24, not the shard's width
         rec = topp_histograms(local, temp, num_valid=n, vocab_start=start, tile0=tile0,
-                              block=block, splits=splits)  # fmt: skip
+                              block=block, splits=splits, atomic=atomic)  # fmt: skip
         out.append(rec)
     return out
 
@@ -107,25 +108,25 @@ def _temps(rows: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("vocab", "tp", "dtype", "block", "splits"),
+    ("vocab", "tp", "dtype", "block", "splits", "atomic"),
     [
-        (3001, 1, torch.bfloat16, 2048, 1),
-        (5750, 3, torch.float16, 4096, 1),
-        (9000, 4, torch.bfloat16, 2048, 1),
-        (4099, 8, torch.bfloat16, 4096, 1),
-        (20000, 1, torch.bfloat16, 2048, 3),  # the top and the first tile in split 0 only
-        (12000, 2, torch.float16, 2048, 4),  # empty splits past num_valid
+        (3001, 1, torch.bfloat16, 2048, 1, True),
+        (5750, 3, torch.float16, 4096, 1, False),
+        (9000, 4, torch.bfloat16, 2048, 1, False),
+        (4099, 8, torch.bfloat16, 4096, 1, True),
+        (20000, 1, torch.bfloat16, 2048, 3, True),  # the top and the first tile in split 0 only
+        (12000, 2, torch.float16, 2048, 4, False),  # empty splits past num_valid
     ],
 )
 def test_records_match_reference(
-    vocab: int, tp: int, dtype: torch.dtype, block: int, splits: int
+    vocab: int, tp: int, dtype: torch.dtype, block: int, splits: int, atomic: bool
 ) -> None:
     """One rank's record of each row == :func:`shard_histogram` of its shard (split records
-    merged by ``topp_combine_*`` included)."""
+    merged by ``topp_combine_*`` included; level counts by atomics or ``tl.histogram``)."""
     x = _rows(vocab, dtype, seed=vocab + tp)
     temp = _temps(x.shape[0])
     tile0 = 256 if tp != 4 else 8192
-    recs = _records(x, temp, tp, tile0, block, splits)
+    recs = _records(x, temp, tp, tile0, block, splits, atomic)
     for r, (start, n, _w) in enumerate(vllm_shard_ranges(vocab, tp)):
         assert recs[r].shape == (x.shape[0], RECORD_WORDS)
         for i in range(x.shape[0]):

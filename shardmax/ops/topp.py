@@ -24,7 +24,7 @@ import torch
 import triton
 
 from shardmax.reference.nucleus_replay import HIST_LEVELS, Pipeline
-from shardmax.runtime.defaults import TARGET_PROGRAMS, default_record_splits
+from shardmax.runtime.defaults import TOPP_HIST_TARGET_PROGRAMS, default_record_splits
 from shardmax.runtime.kernels import kernel
 from shardmax.runtime.variants import VariantKey
 
@@ -69,9 +69,9 @@ def _row_vector(t: torch.Tensor, rows: int, arg: str, device: torch.device) -> t
 
 def topp_hist_splits(rows: int, width: int, block: int, device: torch.device) -> int:
     """Column splits per row :func:`topp_histograms` uses by default: about
-    ``TARGET_PROGRAMS`` programs, at least two ``block`` tiles each (a function of the padded
-    shard width, the same on every rank); 1 under the interpreter (CPU tensors)."""
-    target = 1 if device.type == "cpu" else TARGET_PROGRAMS
+    ``TOPP_HIST_TARGET_PROGRAMS`` programs, at least two ``block`` tiles each (a function of the
+    padded shard width, the same on every rank); 1 under the interpreter (CPU tensors)."""
+    target = 1 if device.type == "cpu" else TOPP_HIST_TARGET_PROGRAMS
     return default_record_splits(rows, width, block, target)
 
 
@@ -86,6 +86,8 @@ def topp_histograms(
     splits: int | None = None,
     out: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    atomic: bool = True,
 ) -> torch.Tensor:
     """One rank's top-p records: ``int32 [rows, RECORD_WORDS]`` (module docstring, step 1).
 
@@ -100,8 +102,11 @@ def topp_histograms(
         splits: programs per row (default: enough to fill the GPU, at least two tiles each, from
             the shard width -- the same on every rank; 1 under the interpreter).
         out: optional ``int32 [rows, RECORD_WORDS]`` to write into (no allocation).
-        scratch: optional ``int32 [splits * rows, RECORD_WORDS]`` for the split records (with
-            ``out`` and ``scratch``, nothing is allocated: the call is CUDA-graph capturable).
+        scratch: optional ``int32 [splits * rows, RECORD_WORDS]`` for the split records.
+        counts: optional ``int32 [splits * rows, HIST_LEVELS]`` workspace of the atomic level
+            counts (``atomic``; with ``out``, ``scratch`` and ``counts`` nothing is allocated: the
+            call is CUDA-graph capturable).
+        atomic: count levels with global atomics (else ``tl.histogram``; both exact).
 
     Raises:
         TypeError: logits not bf16 / fp16, a parameter tensor of another dtype / device.
@@ -141,10 +146,17 @@ def topp_histograms(
         elif scratch.shape != shape or scratch.dtype != torch.int32 or not scratch.is_contiguous():
             raise ValueError(f"scratch: expected contiguous int32 {list(shape)}")
         dest = scratch
+    cshape = (splits * rows, HIST_LEVELS)
+    if counts is None:
+        counts = torch.empty(cshape if atomic else (1, 1), dtype=torch.int32, device=out.device)
+    elif atomic and (
+        counts.shape != cshape or counts.dtype != torch.int32 or not counts.is_contiguous()
+    ):
+        raise ValueError(f"counts: expected contiguous int32 {list(cshape)}")
     name = VariantKey("topp_hist", dtype=dtype, block=block).name
     kernel(name)(
-        (rows, splits), local_logits, temperature, dest, local_logits.stride(0), num_valid,
-        chunk, vocab_start, tile0, LEVELS=HIST_LEVELS, BLOCK=block,
+        (rows, splits), local_logits, temperature, dest, counts, local_logits.stride(0),
+        num_valid, chunk, vocab_start, tile0, LEVELS=HIST_LEVELS, BLOCK=block, ATOMIC=atomic,
     )  # fmt: skip
     if splits > 1:
         kernel(VariantKey("topp_combine", dtype=dtype).name)(
@@ -163,6 +175,7 @@ def topp_kept_sets(
     pipeline: Pipeline,
     tile0: int = 8192,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's certified kept set from the gathered records (module docstring, step 3).
 
@@ -176,6 +189,8 @@ def topp_kept_sets(
         pipeline: the :class:`~shardmax.reference.nucleus_replay.Pipeline` vLLM runs for these
             rows (:func:`~shardmax.reference.nucleus_replay.pipeline_for`).
         tile0: the monolithic kernel's first-tile width (as given to :func:`topp_histograms`).
+        out: optional ``(kept, stat)`` buffers to write into (no allocation).
+        num_warps: warps per row (default: the variant's ``NUM_WARPS``).
 
     Returns:
         ``(kept, stat)``: int32 ``[rows, KEPT_WORDS]`` (:data:`KEPT_WORDS`; ``reason`` is a
@@ -221,5 +236,6 @@ def topp_kept_sets(
     kernel(name)(
         (rows,), records, temperature, top_p, sigma, kept, stat, rows, tp, tile0,
         PIPELINE=int(pipeline), LEVELS=HIST_LEVELS,
+        **({} if num_warps is None else {"num_warps": num_warps}),
     )  # fmt: skip
     return kept, stat

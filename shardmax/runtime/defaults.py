@@ -49,6 +49,11 @@ DRAW_TARGET_PROGRAMS = 1056
 """Programs of the draw kernel over a step's drawing requests (about 8 per SM of a 132-SM
 GPU): each element carries a hash and two logs, so the draw wants more programs in flight than
 the memory-bound record pass."""
+TOPP_HIST_TARGET_PROGRAMS = 528
+"""Programs of the top-p histogram kernel over a step's rows (about 4 per SM of a 132-SM GPU):
+in a splits sweep on one H200 (benchmarks/topp_kernels.py, bf16, 32 and 160 rows, shards of
+19k-100k columns) 4 splits per row at 160 rows and 4-8 at 32 rows were fastest, 2 (the record
+kernel's target) 10-30 % slower. Untuned default until the tuner covers the family."""
 CANDIDATE_CHOICES = (32, 64, 128)
 """The C a table row may select (the tuner's ``candidates`` axis)."""
 SPLIT_PIPELINE_MAX_ROWS = 64
