@@ -123,6 +123,7 @@ def _time_case(
     from shardmax.ops.topp import (
         KEPT_WORDS,
         RECORD_WORDS,
+        STAT_WORDS,
         topp_hist_splits,
         topp_histograms,
         topp_kept_sets,
@@ -140,7 +141,7 @@ def _time_case(
         topp_histograms(buf, temp, num_valid=nv, vocab_start=vs, out=rec[r])
     hist_out = torch.empty((rows, RECORD_WORDS), dtype=torch.int32, device=dev)
     kept = torch.empty((rows, KEPT_WORDS), dtype=torch.int32, device=dev)
-    stat = torch.empty((rows, 2), dtype=torch.float64, device=dev)
+    stat = torch.empty((rows, STAT_WORDS), dtype=torch.float64, device=dev)
 
     width = rank0[0].shape[1]
     splits = {b: topp_hist_splits(rows, width, b, dev) for b in (2048, 4096)}
@@ -212,7 +213,7 @@ def run(
     steps: int, vocabs: tuple[int, ...], reqs_list: tuple[int, ...], tps: tuple[int, ...]
 ) -> list[dict]:
     from benchmarks.timing import copy_bandwidth_gbps
-    from shardmax.ops.topp import KEPT_WORDS, RECORD_WORDS
+    from shardmax.ops.topp import KEPT_WORDS, RECORD_WORDS, STAT_WORDS
     from shardmax.reference.nucleus_replay import KeptSet, ReplayReason, pipeline_for
     from shardmax.reference.nucleus_shards import decode_record
     from shardmax.testing.topp_replay import kept_set_violation, row_params
@@ -238,7 +239,7 @@ def run(
                     for _ in range(2):
                         rec = torch.empty((tp, rows, RECORD_WORDS), dtype=torch.int32, device=dev)
                         kept = torch.empty((rows, KEPT_WORDS), dtype=torch.int32, device=dev)
-                        stat = torch.empty((rows, 2), dtype=torch.float64, device=dev)
+                        stat = torch.empty((rows, STAT_WORDS), dtype=torch.float64, device=dev)
                         _step(ranks, temp, top_p, sigma, cfg.pipeline, rec, kept, stat)
                         res.append((rec, kept, stat))
                     agg["nondet"] += not all(torch.equal(a, c) for a, c in zip(*res, strict=True))

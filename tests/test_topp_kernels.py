@@ -17,11 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from shardmax.ops.topp import KEPT_WORDS, RECORD_WORDS, topp_histograms, topp_kept_sets
+from shardmax.ops.topp import (
+    KEPT_WORDS,
+    RECORD_WORDS,
+    STAT_WORDS,
+    topp_histograms,
+    topp_kept_sets,
+)
 from shardmax.reference.nucleus_replay import (
     Pipeline,
     PipelineConfig,
     ReplayReason,
+    kept_mass,
     level_histogram,
     replay,
 )
@@ -213,7 +220,7 @@ def test_kept_sets_match_reference(
     kept, stat = topp_kept_sets(
         recs, temp, top_p, SIGMA, dtype=dtype, pipeline=pipeline, tile0=tile0
     )
-    assert kept.shape == (rows, KEPT_WORDS) and stat.shape == (rows, 2)
+    assert kept.shape == (rows, KEPT_WORDS) and stat.shape == (rows, STAT_WORDS)
     cfg = PipelineConfig(pipeline, tile0)
     for i in range(rows):
         parts = [decode_record(recs[r, i]) for r in range(tp)]
@@ -232,6 +239,10 @@ def test_kept_sets_match_reference(
             assert row[8] == h.top_key and row[9] == h.top_key - want[2]
             assert float(stat[i, 0]) == h.m
             assert float(stat[i, 1]) == pytest.approx(h.z, rel=1e-12)
+            kset = replay(h, float(top_p[i]), cfg, SIGMA.tolist())
+            lo, hi = kept_mass(h, kset)
+            assert float(stat[i, 2]) == pytest.approx(lo, rel=1e-12), f"row {i}"
+            assert float(stat[i, 3]) == pytest.approx(hi, rel=1e-12), f"row {i}"
     assert {0, NONFINITE, ReplayReason.MASS_MARGIN} <= seen["reason"], seen
     assert True in seen["ranges"], seen
     assert not branch or 1 in seen["branches"], seen
@@ -268,4 +279,4 @@ def test_empty_batch() -> None:
     assert rec.shape == (0, RECORD_WORDS)
     kept, stat = topp_kept_sets(rec[None], torch.ones(0), torch.ones(0), SIGMA,
                                 dtype=x.dtype, pipeline=Pipeline.SPLIT)  # fmt: skip
-    assert kept.shape == (0, KEPT_WORDS) and stat.shape == (0, 2)
+    assert kept.shape == (0, KEPT_WORDS) and stat.shape == (0, STAT_WORDS)

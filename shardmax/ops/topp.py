@@ -32,6 +32,7 @@ __all__ = [
     "KEPT_WORDS",
     "RECORD_BYTES",
     "RECORD_WORDS",
+    "STAT_WORDS",
     "TOPP_HIST_BLOCK",
     "topp_hist_splits",
     "topp_histograms",
@@ -42,6 +43,9 @@ RECORD_WORDS = HIST_LEVELS // 2 + 8
 """int32 words of one rank's record of one row (the exchange's unit)."""
 RECORD_BYTES = 4 * RECORD_WORDS
 KEPT_WORDS = 10
+STAT_WORDS = 4
+"""fp64 words of :func:`topp_kept_sets`' statistics per row: ``m``, ``z``, the kept set's
+``sum exp(x - m)`` with the fewest and the most boundary ties."""
 """int32 words of :func:`topp_kept_sets`' answer per row: reason, nomask, boundary, ties_lo,
 ties_hi, count, ordered, branches, top_key, boundary_key."""
 TOPP_HIST_BLOCK = 4096
@@ -195,8 +199,8 @@ def topp_kept_sets(
     Returns:
         ``(kept, stat)``: int32 ``[rows, KEPT_WORDS]`` (:data:`KEPT_WORDS`; ``reason`` is a
         :class:`~shardmax.reference.nucleus_replay.ReplayReason` value, 7 for a row with NaN /
-        ``+inf`` or no finite value) and fp64 ``[rows, 2]`` (processed max ``m``, ``z = sum
-        exp(x - m)``).
+        ``+inf`` or no finite value) and fp64 ``[rows, STAT_WORDS]`` (:data:`STAT_WORDS`: the
+        processed max ``m``, ``z = sum exp(x - m)``, the kept set's sums).
 
     Raises:
         TypeError / ValueError: dtypes, shapes or devices other than the above.
@@ -224,12 +228,14 @@ def topp_kept_sets(
     pipeline = Pipeline(pipeline)
     if out is None:
         kept = torch.empty((rows, KEPT_WORDS), dtype=torch.int32, device=device)
-        stat = torch.empty((rows, 2), dtype=torch.float64, device=device)
+        stat = torch.empty((rows, STAT_WORDS), dtype=torch.float64, device=device)
     else:
         kept, stat = out
         if kept.shape != (rows, KEPT_WORDS) or kept.dtype != torch.int32 or stat.shape != (
-            rows, 2) or stat.dtype != torch.float64:  # fmt: skip
-            raise ValueError(f"out: expected (int32 [{rows}, {KEPT_WORDS}], fp64 [{rows}, 2])")
+            rows, STAT_WORDS) or stat.dtype != torch.float64:  # fmt: skip
+            raise ValueError(
+                f"out: expected (int32 [{rows}, {KEPT_WORDS}], fp64 [{rows}, {STAT_WORDS}])"
+            )
     if rows == 0:
         return kept, stat
     name = VariantKey("topp_replay", dtype=dname).name

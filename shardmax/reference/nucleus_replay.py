@@ -84,6 +84,7 @@ __all__ = [
     "PipelineConfig",
     "ReplayReason",
     "kept_masks",
+    "kept_mass",
     "level_histogram",
     "level_keys",
     "level_row",
@@ -767,3 +768,23 @@ def kept_masks(raw_row: torch.Tensor, kept: KeptSet, top_key: int) -> list[torch
     tie = keys == key_b
     rank = torch.cumsum(tie.to(torch.int64), 0)
     return [above | (tie & (rank <= t)) for t in sorted({kept.ties_lo, kept.ties_hi})]
+
+
+def kept_mass(h: LevelHistogram, kept: KeptSet) -> tuple[float, float]:
+    """``sum exp(x - m)`` over a certified kept set of the row ``h`` describes, with the fewest
+    and with the most boundary ties kept (fp64; ``nomask``: ``h.z`` twice). The acceptance
+    LSE vLLM computes on the masked row is ``m + log`` of a value in between (within its fp32
+    rounding).
+
+    Raises:
+        ValueError: ``kept`` not certified.
+    """
+    if kept.reason != ReplayReason.OK:
+        raise ValueError(f"kept: not certified ({kept.reason.name})")
+    if kept.nomask:
+        return h.z, h.z
+    b = kept.boundary
+    live = h.counts[:b] > 0
+    above = float((h.counts[:b][live] * np.exp(h.values[:b][live] - h.m)).sum())
+    e_b = math.exp(float(h.values[b]) - h.m)
+    return above + kept.ties_lo * e_b, above + kept.ties_hi * e_b
