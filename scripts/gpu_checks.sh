@@ -36,7 +36,8 @@ PY
 start=$(date +%s)
 python3 -m pytest -m "gpu or multigpu" -q -p no:cacheprovider --junitxml="$OUT_DIR/gpu-tests.xml" "$@" \
   tests/test_gpu.py tests/test_distributed.py tests/test_reference.py tests/test_strict_vllm.py \
-  tests/test_vllm_chain.py tests/test_resolve.py tests/test_two_phase.py tests/test_graphs.py 2>&1 | tee "$OUT_DIR/gpu-tests.log" | tail -25
+  tests/test_vllm_chain.py tests/test_resolve.py tests/test_two_phase.py tests/test_graphs.py \
+  tests/test_topp_kernels.py 2>&1 | tee "$OUT_DIR/gpu-tests.log" | tail -25
 rc=${PIPESTATUS[0]}
 python3 - "$OUT_DIR/gpu-tests.xml" "$(( $(date +%s) - start ))" <<'PY'
 import collections, sys, xml.etree.ElementTree as ET

@@ -36,9 +36,10 @@
 #                                   compute-sanitizer memcheck on the final code
 #   bash scripts/gpu_session.sh O   one H200: the level-histogram top-p replay against vLLM 0.33's
 #                                   own top-p kernels and chain (benchmarks/topp_replay.py)
-#   bash scripts/gpu_session.sh P   one H200: the top-p replay kernels (topp_hist / topp_replay)
-#                                   against the plain-torch replay and vLLM 0.33's own top-p mask,
-#                                   twice per step, timed (benchmarks/topp_kernels.py)
+#   bash scripts/gpu_session.sh P   one H200: the top-p replay kernels (topp_hist / topp_replay):
+#                                   their GPU tests, then against the plain-torch replay and vLLM
+#                                   0.33's own top-p mask, twice per step, timed
+#                                   (benchmarks/topp_kernels.py)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
@@ -289,6 +290,10 @@ O)
   ;;
 P)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "top-p replay kernels: GPU tests (every call twice, bit-compared)"
+  timeout "$(left 200)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_topp_kernels.py \
+    >"$OUT/topp_kernels_tests.log" 2>&1
+  echo "  rc=$?"; tail -n 3 "$OUT/topp_kernels_tests.log"
   stamp "top-p replay kernels vs the reference and vLLM 0.33"
   timeout "$(left 570)" python3 -m benchmarks.topp_kernels --steps "${TOPP_STEPS:-3}" \
     --out "$OUT/topp_kernels" >"$OUT/topp_kernels_P.log" 2>&1

@@ -39,6 +39,7 @@ from shardmax.reference.nucleus_shards import (
 )
 from shardmax.testing.shards import vllm_shard_ranges
 from shardmax.testing.traffic import LM_PROFILE, EntropyProfile, lm_logits
+from tests._twice import twice
 
 HOT = EntropyProfile(((0.5, 2.0, 0.4), (2.0, 5.0, 0.6)))
 """Mostly high-entropy rows: the searches that reach deep levels, the tail and branch points."""
@@ -92,7 +93,7 @@ def _records(
     tp: int,
     tile0: int,
     block: int,
-    splits: int = 1,
+    splits: int | None = 1,
     atomic: bool = True,
     pad: float = 1e4,
 ) -> list[torch.Tensor]:
@@ -101,11 +102,11 @@ def _records(
     ``topp_combine_*``)."""
     out = []
     for start, n, width in vllm_shard_ranges(x.shape[1], tp):
-        buf = torch.full((x.shape[0], width + 24), pad, dtype=x.dtype)
+        buf = torch.full((x.shape[0], width + 24), pad, dtype=x.dtype, device=x.device)
         buf[:, 8 : 8 + n] = x[:, start : start + n]
         local = buf[:, 8 : 8 + width]  # row stride width + 24, not the shard's width
-        rec = topp_histograms(local, temp, num_valid=n, vocab_start=start, tile0=tile0,
-                              block=block, splits=splits, atomic=atomic)  # fmt: skip
+        rec = twice(topp_histograms, local, temp, num_valid=n, vocab_start=start, tile0=tile0,
+                    block=block, splits=splits, atomic=atomic)  # fmt: skip
         out.append(rec)
     return out
 
@@ -280,3 +281,37 @@ def test_empty_batch() -> None:
     kept, stat = topp_kept_sets(rec[None], torch.ones(0), torch.ones(0), SIGMA,
                                 dtype=x.dtype, pipeline=Pipeline.SPLIT)  # fmt: skip
     assert kept.shape == (0, KEPT_WORDS) and stat.shape == (0, STAT_WORDS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 3, 8])
+def test_kernels_on_gpu(tp: int) -> None:
+    """On CUDA (compiled kernels, splits per row, atomics): records == the ``tl.histogram``
+    counting's bit for bit, every call twice with the same bits (:func:`twice`), and every
+    pipeline's kept sets == the reference on the same records."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    vocab = 50257
+    x = _rows(vocab, torch.bfloat16, seed=tp).cuda()
+    rows = x.shape[0]
+    temp = _temps(rows).cuda()
+    top_p = torch.tensor([(0.95, 0.8, 0.5, 0.99, 1.0, 0.95)[i % 6] for i in range(rows)])
+    for i, p in _planted_top_p(x.cpu(), temp.cpu(), range(6, 16), torch.Generator()).items():
+        top_p[i] = p
+    top_p = top_p.cuda()
+    recs = torch.stack(_records(x, temp, tp, 8192, 4096, splits=None))
+    slow = torch.stack(_records(x, temp, tp, 8192, 2048, splits=None, atomic=False))
+    assert torch.equal(recs, slow)
+    for pipeline in Pipeline:
+        kept, _stat = twice(
+            topp_kept_sets, recs, temp, top_p, SIGMA.cuda(), dtype=x.dtype, pipeline=pipeline
+        )
+        cfg = PipelineConfig(pipeline, 8192)
+        for i in range(rows):
+            parts = [decode_record(recs[r, i]) for r in range(tp)]
+            want = _expected(parts, x.dtype, float(temp[i]), float(top_p[i]), cfg)
+            row = kept[i].tolist()
+            got = _got(row)
+            if want[:2] == (0, 1):
+                got = (*got[:2], -1)
+            assert got == want, f"{pipeline.name} row {i}: kernel {row}, reference {want}"
