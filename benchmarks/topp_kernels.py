@@ -145,7 +145,7 @@ def _time_case(
 
     width = rank0[0].shape[1]
     splits = {b: topp_hist_splits(rows, width, b, dev) for b in (2048, 4096)}
-    block, atomic, nsplit = 4096, True, splits[4096]
+    block, atomic, nsplit = 2048, True, splits[2048]
     bufs = {
         (b, k): (
             torch.empty((k * rows, RECORD_WORDS), dtype=torch.int32, device=dev),

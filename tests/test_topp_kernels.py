@@ -155,18 +155,54 @@ def test_records_match_reference(
             assert got.tile0_sumsq == pytest.approx(want.tile0_sumsq, rel=1e-6, abs=1e-6)
 
 
-def test_records_saturate_at_16_bits() -> None:
-    """A level with more than 65535 tokens saturates its count (the replay then flags the row)."""
-    x = torch.full((1, 70000), 1.0 - 2.0**-8, dtype=torch.bfloat16)  # the level below 1.0
+@pytest.mark.parametrize("splits", [1, 2])
+def test_records_saturate_at_16_bits(splits: int) -> None:
+    """A level with more than 65535 tokens saturates its count -- in one split, or in each of
+    two splits whose merge puts that level below the merged floor (its mass in the tail would be
+    capped: the record carries the saturated bit) -- and the replay flags the row."""
+    x = torch.full((1, 70000 * splits), 1.0 - 2.0**-8, dtype=torch.bfloat16)  # below 1.0
     x[0, 3] = 1.0
-    rec = _records(x, torch.ones(1), 1, 256, 4096)[0]
+    if splits == 2:
+        x[0, 70001] = 16.0  # split 1's top: split 0's levels fall below the merged floor
+    rec = _records(x, torch.ones(1), 1, 256, 2048, splits)[0]
     h = decode_record(rec[0])
-    assert int(h.counts[0]) == 1 and int(h.counts[1:].max()) == 0xFFFF
+    assert (splits == 1 and int(h.counts.max()) == 0xFFFF) or (splits == 2 and h.saturated)
     kept, _ = topp_kept_sets(
         rec[None], torch.ones(1), torch.full((1,), 0.9), SIGMA, dtype=x.dtype,
         pipeline=Pipeline.SPLIT,
     )  # fmt: skip
     assert int(kept[0, 0]) == ReplayReason.SATURATED
+
+
+def test_first_tile_overflow_is_a_normalizer_flag() -> None:
+    """First-tile sums past the fp32 range (logits near the bf16 maximum): the monolithic
+    kernel's ``max_sample`` is not finite -- NORMALIZER, in the kernel and the reference."""
+    x = torch.full((1, 2048), 3.2e38, dtype=torch.bfloat16)
+    x[0, 5] = 3.3e38
+    temp = torch.full((1,), 2.5)
+    rec = _records(x, temp, 1, 8192, 2048)[0]
+    kept, _ = topp_kept_sets(rec[None], temp, torch.full((1,), 0.5), SIGMA, dtype=x.dtype,
+                             pipeline=Pipeline.MONOLITHIC)  # fmt: skip
+    assert int(kept[0, 0]) == ReplayReason.NORMALIZER
+    h = merge_shard_histograms([decode_record(rec[0])], x.dtype, 2.5)
+    assert h is not None
+    cfg = PipelineConfig(Pipeline.MONOLITHIC, 8192)
+    assert replay(h, 0.5, cfg, SIGMA.tolist()).reason == ReplayReason.NORMALIZER
+
+
+def test_parameters_vllm_refuses() -> None:
+    """``top_p <= 0`` / NaN and ``T < 0`` / NaN: reason 8 (never a kept set), or a ValueError
+    with ``check_values``."""
+    x = lm_logits(4, 3000, seed=5)
+    temp = torch.tensor([1.0, 1.0, -1.0, float("nan")])
+    top_p = torch.tensor([0.0, float("nan"), 0.9, 0.9])
+    rec = _records(x, temp.abs().nan_to_num(1.0), 1, 8192, 2048)[0]
+    kept, _ = topp_kept_sets(rec[None], temp, top_p, SIGMA, dtype=x.dtype,
+                             pipeline=Pipeline.SPLIT)  # fmt: skip
+    assert kept[:, 0].tolist() == [8, 8, 8, 8]
+    with pytest.raises(ValueError, match="rows \\[0, 1, 2, 3\\]"):
+        topp_kept_sets(rec[None], temp, top_p, SIGMA, dtype=x.dtype, pipeline=Pipeline.SPLIT,
+                       check_values=True)  # fmt: skip
 
 
 def _expected(parts, dtype, t: float, p: float, cfg: PipelineConfig) -> tuple:
@@ -272,6 +308,22 @@ def test_errors_name_the_argument() -> None:
     with pytest.raises(TypeError, match="dtype"):
         topp_kept_sets(rec, torch.ones(2), torch.ones(2), SIGMA, dtype=torch.float32,
                        pipeline=Pipeline.SPLIT)  # fmt: skip
+    with pytest.raises(ValueError, match=r"sigma.*not contiguous"):
+        topp_kept_sets(rec, torch.ones(2), torch.ones(2), SIGMA.repeat(2)[::2], dtype=xb.dtype,
+                       pipeline=Pipeline.SPLIT)  # fmt: skip
+    with pytest.raises(TypeError, match="sigma"):
+        topp_kept_sets(rec, torch.ones(2), torch.ones(2), SIGMA.tolist(), dtype=xb.dtype,
+                       pipeline=Pipeline.SPLIT)  # type: ignore[arg-type]  # fmt: skip
+    kept = torch.zeros(KEPT_WORDS, 2, dtype=torch.int32).t()  # the right shape, not contiguous
+    with pytest.raises(ValueError, match="kept"):
+        topp_kept_sets(rec, torch.ones(2), torch.ones(2), SIGMA, dtype=xb.dtype,
+                       pipeline=Pipeline.SPLIT,
+                       out=(kept, torch.zeros(2, STAT_WORDS, dtype=torch.float64)))  # fmt: skip
+    with pytest.raises(TypeError, match="num_valid"):
+        topp_histograms(xb, torch.ones(2), num_valid=2.5, vocab_start=0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="out"):
+        topp_histograms(xb, torch.ones(2), num_valid=64, vocab_start=0,
+                        out=torch.zeros(RECORD_WORDS, 2, dtype=torch.int32).t())  # fmt: skip
 
 
 def test_empty_batch() -> None:

@@ -48,9 +48,9 @@ STAT_WORDS = 4
 ``sum exp(x - m)`` with the fewest and the most boundary ties."""
 """int32 words of :func:`topp_kept_sets`' answer per row: reason, nomask, boundary, ties_lo,
 ties_hi, count, ordered, branches, top_key, boundary_key."""
-TOPP_HIST_BLOCK = 4096
+TOPP_HIST_BLOCK = 2048
 """Register tile of ``topp_hist_*`` until the tuner measures the family (both blocks are
-generated and exact)."""
+generated and exact; at its 16 warps, 2048 keeps 4 elements per thread on sm90)."""
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -69,6 +69,20 @@ def _row_vector(t: torch.Tensor, rows: int, arg: str, device: torch.device) -> t
     if t.dtype != torch.float32 or t.device != device:
         raise TypeError(f"{arg}: expected fp32 on {device}, got {t.dtype} on {t.device}")
     return t.contiguous()
+
+
+def _check_buffer(
+    t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, arg: str
+) -> None:
+    """An output / workspace buffer: a contiguous tensor of this shape, dtype and device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg}: expected a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ValueError(
+            f"{arg}: expected a contiguous {dtype} {list(shape)} on {device}, got "
+            f"{t.dtype} {list(t.shape)} on {t.device}"
+            f"{'' if t.is_contiguous() else ' (not contiguous)'}"
+        )
 
 
 def topp_hist_splits(rows: int, width: int, block: int, device: torch.device) -> int:
@@ -124,6 +138,12 @@ def topp_histograms(
         raise ValueError(
             f"local_logits: last dim must be contiguous, stride {local_logits.stride()}"
         )
+    for arg, val in (("num_valid", num_valid), ("vocab_start", vocab_start), ("tile0", tile0),
+                     ("block", block)):  # fmt: skip
+        if type(val) is not int:
+            raise TypeError(f"{arg}: expected an int, got {type(val).__name__}")
+    if splits is not None and type(splits) is not int:
+        raise TypeError(f"splits: expected an int or None, got {type(splits).__name__}")
     if not 0 <= num_valid <= width:
         raise ValueError(f"num_valid: {num_valid} outside [0, {width}]")
     if vocab_start < 0 or vocab_start + num_valid >= 2**31:
@@ -133,8 +153,8 @@ def topp_histograms(
     temperature = _row_vector(temperature, rows, "temperature", local_logits.device)
     if out is None:
         out = torch.empty((rows, RECORD_WORDS), dtype=torch.int32, device=local_logits.device)
-    elif out.shape != (rows, RECORD_WORDS) or out.dtype != torch.int32 or not out.is_contiguous():
-        raise ValueError(f"out: expected contiguous int32 [{rows}, {RECORD_WORDS}]")
+    else:
+        _check_buffer(out, (rows, RECORD_WORDS), torch.int32, local_logits.device, "out")
     if splits is None:
         splits = topp_hist_splits(rows, width, block, local_logits.device)
     if splits < 1:
@@ -147,16 +167,14 @@ def topp_histograms(
         shape = (splits * rows, RECORD_WORDS)
         if scratch is None:
             scratch = torch.empty(shape, dtype=torch.int32, device=local_logits.device)
-        elif scratch.shape != shape or scratch.dtype != torch.int32 or not scratch.is_contiguous():
-            raise ValueError(f"scratch: expected contiguous int32 {list(shape)}")
+        else:
+            _check_buffer(scratch, shape, torch.int32, local_logits.device, "scratch")
         dest = scratch
     cshape = (splits * rows, HIST_LEVELS)
     if counts is None:
         counts = torch.empty(cshape if atomic else (1, 1), dtype=torch.int32, device=out.device)
-    elif atomic and (
-        counts.shape != cshape or counts.dtype != torch.int32 or not counts.is_contiguous()
-    ):
-        raise ValueError(f"counts: expected contiguous int32 {list(cshape)}")
+    elif atomic:
+        _check_buffer(counts, cshape, torch.int32, local_logits.device, "counts")
     name = VariantKey("topp_hist", dtype=dtype, block=block).name
     kernel(name)(
         (rows, splits), local_logits, temperature, dest, counts, local_logits.stride(0),
@@ -180,6 +198,7 @@ def topp_kept_sets(
     tile0: int = 8192,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_warps: int | None = None,
+    check_values: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's certified kept set from the gathered records (module docstring, step 3).
 
@@ -195,11 +214,13 @@ def topp_kept_sets(
         tile0: the monolithic kernel's first-tile width (as given to :func:`topp_histograms`).
         out: optional ``(kept, stat)`` buffers to write into (no allocation).
         num_warps: warps per row (default: the variant's ``NUM_WARPS``).
+        check_values: read ``top_p`` / ``temperature`` on the host and raise for values vLLM
+            refuses (a device sync; without it such rows get reason 8).
 
     Returns:
         ``(kept, stat)``: int32 ``[rows, KEPT_WORDS]`` (:data:`KEPT_WORDS`; ``reason`` is a
         :class:`~shardmax.reference.nucleus_replay.ReplayReason` value, 7 for a row with NaN /
-        ``+inf`` or no finite value) and fp64 ``[rows, STAT_WORDS]`` (:data:`STAT_WORDS`: the
+        ``+inf`` or no finite value, 8 for ``top_p <= 0`` / NaN or ``T < 0`` / NaN) and fp64 ``[rows, STAT_WORDS]`` (:data:`STAT_WORDS`: the
         processed max ``m``, ``z = sum exp(x - m)``, the kept set's sums).
 
     Raises:
@@ -221,20 +242,26 @@ def topp_kept_sets(
     device = records.device
     temperature = _row_vector(temperature, rows, "temperature", device)
     top_p = _row_vector(top_p, rows, "top_p", device)
-    if sigma.shape != (200,) or sigma.dtype != torch.float32 or sigma.device != device:
-        raise ValueError(
-            f"sigma: expected fp32 [200] on {device}, got {sigma.dtype} {tuple(sigma.shape)}"
-        )
+    if not isinstance(sigma, torch.Tensor):
+        raise TypeError(f"sigma: expected an fp32 tensor [200], got {type(sigma).__name__}")
+    _check_buffer(sigma, (200,), torch.float32, device, "sigma")
+    if type(tile0) is not int:
+        raise TypeError(f"tile0: expected an int, got {type(tile0).__name__}")
     pipeline = Pipeline(pipeline)
     if out is None:
         kept = torch.empty((rows, KEPT_WORDS), dtype=torch.int32, device=device)
         stat = torch.empty((rows, STAT_WORDS), dtype=torch.float64, device=device)
     else:
         kept, stat = out
-        if kept.shape != (rows, KEPT_WORDS) or kept.dtype != torch.int32 or stat.shape != (
-            rows, STAT_WORDS) or stat.dtype != torch.float64:  # fmt: skip
+        _check_buffer(kept, (rows, KEPT_WORDS), torch.int32, device, "out[0] (kept)")
+        _check_buffer(stat, (rows, STAT_WORDS), torch.float64, device, "out[1] (stat)")
+    if check_values and rows:  # reads the parameters on the host (a sync): explicit, off by default
+        bad_p = ~(top_p > 0) | torch.isnan(top_p)
+        bad_t = ~(temperature >= 0)
+        if bool(bad_p.any()) or bool(bad_t.any()):
             raise ValueError(
-                f"out: expected (int32 [{rows}, {KEPT_WORDS}], fp64 [{rows}, {STAT_WORDS}])"
+                f"top_p / temperature: expected top_p in (0, 1] (>= 1: none) and T >= 0; rows "
+                f"{torch.nonzero(bad_p | bad_t).flatten().tolist()[:8]} are not"
             )
     if rows == 0:
         return kept, stat

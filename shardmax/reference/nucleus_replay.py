@@ -554,8 +554,8 @@ def _monolithic(row: _Row, config: PipelineConfig, high: bool, sigma_table: list
     d_mean, d_std = _tile_error(h, config.tile0)
     max_sample = h.tile0_mean + 10.0 * h.tile0_std
     d_ms = d_mean + 10.0 * d_std
-    if h.m - max_sample + d_ms > MONO_EXP_SPAN:
-        raise _Flag(ReplayReason.NORMALIZER)
+    if not math.isfinite(max_sample + d_ms) or h.m - max_sample + d_ms > MONO_EXP_SPAN:
+        raise _Flag(ReplayReason.NORMALIZER)  # (a first tile near the fp32 range: inf / NaN)
     outlier = h.tile0_mean + h.tile0_std * sigma
     outlier_prob = math.exp(min(outlier - h.m, 700.0)) / h.z
     max_r = 1.0 / h.z  # the top level's probability

@@ -70,6 +70,9 @@ class ShardHistogram:
     tile0_sumsq: float
     tile0_n: int
     nonfinite: bool
+    saturated: bool = False
+    """A count of a part of this shard saturated (a split record merged into this one): the
+    counts below the merged floor are not exact, the row is flagged."""
 
 
 def shard_histogram(
@@ -159,7 +162,7 @@ def merge_shard_histograms(
     for p in live:
         shift = top - p.top_key  # rank level j is merged level j + shift
         c = p.counts.astype(np.int64)
-        saturated |= bool((c >= 0xFFFF).any())
+        saturated |= bool((c >= 0xFFFF).any()) or p.saturated
         keep = n_exact - shift
         if keep > 0:
             counts[shift:] += c[:keep]
@@ -212,6 +215,7 @@ def decode_record(words: torch.Tensor) -> ShardHistogram:
         min_value=f[3],
         tile0_sum=f[4],
         tile0_sumsq=f[5],
-        tile0_n=flags & 0x3FFFFFFF,
+        tile0_n=flags & 0x1FFFFFFF,
         nonfinite=bool((flags >> 30) & 1),
+        saturated=bool((flags >> 29) & 1),
     )
