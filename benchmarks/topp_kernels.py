@@ -46,7 +46,7 @@ FIELDS = ["vocab", "tp", "rows", "pipeline", "steps", "topp_rows", "certified_pc
           "hist_us", "hist_b2048_atomic_us", "hist_b2048_histogram_us", "hist_b4096_atomic_us",
           "hist_b4096_histogram_us", "splits", "hist_us_per_splits", "replay_us",
           "replay_us_per_warps", "vllm_topp_us",
-          "floor_us", "host_us",
+          "floor_us", "host_us", "host_functions_us",
           "record_bytes_per_rank", "shard_bytes_per_rank", "bytes_pct"]  # fmt: skip
 
 
@@ -115,7 +115,7 @@ def _time_case(
     tp: int,
     chain: Any,
     gbps: float,
-) -> tuple[dict[tuple[int, bool], float], float, float, float, int, dict, dict]:
+) -> tuple[dict[tuple[int, bool], float], float, float, dict[str, float], int, dict, dict]:
     """(one rank's local stage us per (block 2048 / 4096, atomic counts or tl.histogram),
     topp_replay us, vLLM's top-p us, eager host us of the fastest local stage and the replay,
     its splits)."""
@@ -124,6 +124,8 @@ def _time_case(
         KEPT_WORDS,
         RECORD_WORDS,
         STAT_WORDS,
+        TOPP_HIST_BLOCK,
+        ToppPlan,
         topp_hist_splits,
         topp_histograms,
         topp_kept_sets,
@@ -199,13 +201,28 @@ def _time_case(
         print(f"[topp_kernels] vLLM top-p not timed: {type(e).__name__}: {e}")
         t_vllm = float("nan")
     torch.cuda.synchronize()
-    calls = 50
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        hist(0)
-        rep(0)
-    host = (time.perf_counter() - t0) * 1e6 / calls
-    torch.cuda.synchronize()
+    # eager host cost as an engine would pay it every step: the functions (argument checks,
+    # buffers given) and the plan (host work once; launches only), same number of calls
+    block, atomic, nsplit = TOPP_HIST_BLOCK, True, splits[TOPP_HIST_BLOCK]
+    plan = ToppPlan(rows, width, num_valid=n, vocab_start=start, tp=tp, dtype=logits.dtype,
+                    pipeline=pipeline, sigma=sigma, device=dev)  # fmt: skip
+    host = {}
+    for name in ("functions", "plan"):
+        for _ in range(3):  # warm
+            plan.local(sets[0], temp)
+            plan.kept(rec, temp, top_p)
+        torch.cuda.synchronize()
+        calls = 100
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            if name == "plan":
+                plan.local(sets[0], temp)
+                plan.kept(rec, temp, top_p)
+            else:
+                hist(0)
+                rep(0)
+        host[name] = (time.perf_counter() - t0) * 1e6 / calls
+        torch.cuda.synchronize()
     return t_hist, t_rep, t_vllm, host, splits[block], t_split, t_rep_w
 
 
@@ -288,7 +305,8 @@ def run(
                     "replay_us_per_warps": json.dumps({k: round(t, 2) for k, t in t_rep_w.items()}),
                     "vllm_topp_us": round(t_vllm, 2),
                     "floor_us": round(shard_bytes / (gbps * 1e3), 2),
-                    "host_us": round(host, 1), "record_bytes_per_rank": rows * RECORD_WORDS * 4,
+                    "host_us": round(host["plan"], 1),
+                    "host_functions_us": round(host["functions"], 1), "record_bytes_per_rank": rows * RECORD_WORDS * 4,
                     "shard_bytes_per_rank": shard_bytes,
                     "bytes_pct": round(100.0 * RECORD_WORDS * 4 / (width * 2), 3),
                 })  # fmt: skip
@@ -328,11 +346,12 @@ def summary(rows: list[dict], device: str) -> str:
         "answer differs from the plain-torch replay on the same records; oracle = certified rows "
         "whose kept set vLLM 0.33's own mask breaks; nondeterministic = steps whose two runs "
         "differ in any bit. Times: CUDA-graph replay, us per launch (L2-cold shards); host = "
-        "eager Python cost of the two launches.",
+        "eager Python cost per step of one rank's launches (topp_hist, topp_combine, "
+        "topp_replay) through a ToppPlan and through the checked functions.",
         "",
         "| V | TP | rows | pipeline | top-p rows | certified % | parity | oracle bad / rows | "
         "nondet | local us: atomic b2048 / b4096, tl.histogram b2048 / b4096 (splits) | "
-        "replay us | vLLM top-p us | floor us | host us | bytes % |",
+        "replay us | vLLM top-p us | floor us | host us: plan / functions | bytes % |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -342,7 +361,8 @@ def summary(rows: list[dict], device: str) -> str:
             f"{r['oracle_rows']} | {r['nondeterministic']} | {r['hist_b2048_atomic_us']} / "
             f"{r['hist_b4096_atomic_us']}, {r['hist_b2048_histogram_us']} / "
             f"{r['hist_b4096_histogram_us']} ({r['splits']}) | {r['replay_us']} | "
-            f"{r['vllm_topp_us']} | {r['floor_us']} | {r['host_us']} | {r['bytes_pct']} |"
+            f"{r['vllm_topp_us']} | {r['floor_us']} | {r['host_us']} / "
+            f"{r['host_functions_us']} | {r['bytes_pct']} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -21,6 +21,7 @@ from shardmax.ops.topp import (
     KEPT_WORDS,
     RECORD_WORDS,
     STAT_WORDS,
+    ToppPlan,
     topp_histograms,
     topp_kept_sets,
 )
@@ -324,6 +325,34 @@ def test_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match="out"):
         topp_histograms(xb, torch.ones(2), num_valid=64, vocab_start=0,
                         out=torch.zeros(RECORD_WORDS, 2, dtype=torch.int32).t())  # fmt: skip
+
+
+def test_plan_equals_the_functions() -> None:
+    """:class:`ToppPlan` (host work once, launches only) gives the functions' bits."""
+    vocab, tp = 6000, 2
+    x = _rows(vocab, torch.bfloat16, seed=11)
+    rows = x.shape[0]
+    temp = _temps(rows)
+    top_p = torch.full((rows,), 0.95)
+    want = torch.stack(_records(x, temp, tp, 8192, 2048, pad=0.0))
+    got = []
+    for start, n, width in vllm_shard_ranges(vocab, tp):
+        plan = ToppPlan(rows, width, num_valid=n, vocab_start=start, tp=tp, dtype=x.dtype,
+                        pipeline=Pipeline.SPLIT, sigma=SIGMA, device=x.device)  # fmt: skip
+        local = torch.zeros((rows, width), dtype=x.dtype)
+        local[:, :n] = x[:, start : start + n]
+        got.append(plan.local(local, temp).clone())
+    assert torch.equal(torch.stack(got), want)
+    kept, stat = plan.kept(torch.stack(got), temp, top_p)
+    kept2, stat2 = topp_kept_sets(want, temp, top_p, SIGMA, dtype=x.dtype, pipeline=Pipeline.SPLIT)
+    assert torch.equal(kept, kept2) and torch.equal(stat, stat2)
+    with pytest.raises(ValueError, match="local_logits"):
+        plan.local(local[:, 1:], temp)
+    with pytest.raises(ValueError, match="gathered"):
+        plan.kept(torch.stack(got)[:1], temp, top_p)
+    with pytest.raises(TypeError, match="dtype"):
+        ToppPlan(rows, width, num_valid=n, vocab_start=start, tp=tp, dtype=torch.float32,
+                 pipeline=Pipeline.SPLIT, sigma=SIGMA, device=x.device)  # fmt: skip
 
 
 def test_empty_batch() -> None:

@@ -15,7 +15,8 @@ The kernel form of :mod:`shardmax.reference.nucleus_replay` and
    (or the reason it is not certified) per row.
 
 Both launches are fixed-shape and allocation-free given ``out`` buffers (CUDA-graph capturable);
-nothing here reads a value back on the host.
+nothing here reads a value back on the host. :class:`ToppPlan` does the host work once per step
+shape (checks, splits, buffers) so that each call only launches.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "RECORD_WORDS",
     "STAT_WORDS",
     "TOPP_HIST_BLOCK",
+    "ToppPlan",
     "topp_hist_splits",
     "topp_histograms",
     "topp_kept_sets",
@@ -272,3 +274,112 @@ def topp_kept_sets(
         **({} if num_warps is None else {"num_warps": num_warps}),
     )  # fmt: skip
     return kept, stat
+
+
+class ToppPlan:
+    """The host work of :func:`topp_histograms` + :func:`topp_kept_sets` done once per (rows,
+    shard geometry, dtype, TP, pipeline, device): arguments checked, splits chosen, every buffer
+    allocated; :meth:`local` and :meth:`kept` then only launch (no allocation, no host sync, no
+    argument checks beyond the shapes: CUDA-graph capturable) -- the plan/run split of the
+    runtime, for the eager call an engine makes every step.
+
+    Args:
+        rows: logits rows of the step; ``width`` / ``num_valid`` / ``vocab_start``: this rank's
+            padded shard width, real columns and first global id; ``tp``: ranks.
+        dtype: bf16 / fp16; ``pipeline``: vLLM's top-p pipeline for these rows; ``sigma``: vLLM's
+            sigma table (fp32 ``[200]`` on ``device``); ``tile0``: its first-tile width.
+
+    Raises:
+        TypeError / ValueError: as :func:`topp_histograms` / :func:`topp_kept_sets`.
+    """
+
+    def __init__(
+        self,
+        rows: int,
+        width: int,
+        *,
+        num_valid: int,
+        vocab_start: int,
+        tp: int,
+        dtype: torch.dtype,
+        pipeline: Pipeline,
+        sigma: torch.Tensor,
+        device: torch.device,
+        tile0: int = 8192,
+        block: int = TOPP_HIST_BLOCK,
+    ) -> None:
+        self.dtype_name = _DTYPES.get(dtype)
+        if self.dtype_name is None:
+            raise TypeError(f"dtype: top-p level histograms need bf16 / fp16, got {dtype}")
+        for arg, val in (("rows", rows), ("width", width), ("num_valid", num_valid),
+                         ("vocab_start", vocab_start), ("tp", tp), ("tile0", tile0)):  # fmt: skip
+            if type(val) is not int:
+                raise TypeError(f"{arg}: expected an int, got {type(val).__name__}")
+        if rows < 0 or tp < 1 or not 0 <= num_valid <= width:
+            raise ValueError(f"rows={rows}, tp={tp}, num_valid={num_valid}, width={width}")
+        if block not in (2048, 4096):
+            raise ValueError(f"block: expected 2048 or 4096, got {block}")
+        self.rows, self.width, self.tp, self.dtype = rows, width, tp, dtype
+        self.num_valid, self.vocab_start, self.tile0, self.block = (
+            num_valid,
+            vocab_start,
+            tile0,
+            block,
+        )
+        self.pipeline = Pipeline(pipeline)
+        self.device = torch.device(device)
+        _check_buffer(sigma, (200,), torch.float32, self.device, "sigma")
+        self.sigma = sigma
+        self.splits = topp_hist_splits(rows, width, block, self.device)
+        self.chunk = triton.cdiv(triton.cdiv(max(num_valid, 1), self.splits), block) * block
+        dev, i32 = self.device, torch.int32
+        self.records = torch.empty((rows, RECORD_WORDS), dtype=i32, device=dev)
+        self.scratch = torch.empty((self.splits * rows, RECORD_WORDS), dtype=i32, device=dev)
+        self.counts = torch.empty((self.splits * rows, HIST_LEVELS), dtype=i32, device=dev)
+        self.kept_out = torch.empty((rows, KEPT_WORDS), dtype=i32, device=dev)
+        self.stat = torch.empty((rows, STAT_WORDS), dtype=torch.float64, device=self.device)
+        self._hist = kernel(VariantKey("topp_hist", dtype=self.dtype_name, block=block).name)
+        self._combine = kernel(VariantKey("topp_combine", dtype=self.dtype_name).name)
+        self._replay = kernel(VariantKey("topp_replay", dtype=self.dtype_name).name)
+
+    def local(self, local_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """This rank's records ``int32 [rows, RECORD_WORDS]`` (the plan's buffer; the bytes to
+        all-gather). ``local_logits`` ``[rows, width]`` of the plan's dtype, last dim contiguous;
+        ``temperature`` fp32 ``[rows]`` contiguous."""
+        if local_logits.shape != (self.rows, self.width) or local_logits.dtype != self.dtype:
+            raise ValueError(
+                f"local_logits: expected {self.dtype} [{self.rows}, {self.width}], got "
+                f"{local_logits.dtype} {list(local_logits.shape)}"
+            )
+        if self.rows == 0:
+            return self.records
+        dest = self.scratch if self.splits > 1 else self.records
+        self._hist(
+            (self.rows, self.splits), local_logits, temperature, dest, self.counts,
+            local_logits.stride(0), self.num_valid, self.chunk, self.vocab_start, self.tile0,
+            LEVELS=HIST_LEVELS, BLOCK=self.block, ATOMIC=True,
+        )  # fmt: skip
+        if self.splits > 1:
+            self._combine(
+                (self.rows,), dest, temperature, self.records, self.rows, self.splits,
+                LEVELS=HIST_LEVELS,
+            )  # fmt: skip
+        return self.records
+
+    def kept(
+        self, gathered: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's kept set and statistics (:func:`topp_kept_sets`; the plan's buffers)
+        from ``gathered`` int32 ``[tp, rows, RECORD_WORDS]`` contiguous (every rank's
+        :meth:`local`, rank-major)."""
+        if gathered.shape != (self.tp, self.rows, RECORD_WORDS):
+            raise ValueError(
+                f"gathered: expected [{self.tp}, {self.rows}, {RECORD_WORDS}], got "
+                f"{list(gathered.shape)}"
+            )
+        if self.rows:
+            self._replay(
+                (self.rows,), gathered, temperature, top_p, self.sigma, self.kept_out, self.stat,
+                self.rows, self.tp, self.tile0, PIPELINE=int(self.pipeline), LEVELS=HIST_LEVELS,
+            )  # fmt: skip
+        return self.kept_out, self.stat
