@@ -84,27 +84,6 @@ def _step(ranks, temp, top_p, sigma, pipeline, rec, kept, stat) -> None:
                    out=(kept, stat))  # fmt: skip
 
 
-def _expected(parts: list, dtype: torch.dtype, t: float, p: float, cfg: Any, table: list) -> tuple:
-    from shardmax.reference.nucleus_replay import ReplayReason, replay
-    from shardmax.reference.nucleus_shards import merge_shard_histograms
-
-    h = merge_shard_histograms(parts, dtype, t)
-    if h is None:
-        return (7,)
-    k = replay(h, p, cfg, table)
-    if k.reason != ReplayReason.OK:
-        return (int(k.reason),)
-    if k.nomask:
-        return (0, 1)
-    return (0, 0, k.boundary, k.ties_lo, k.ties_hi, k.count, int(k.ties_ordered), k.branches)
-
-
-def _got(row: list[int]) -> tuple:
-    if row[0] != 0:
-        return (row[0],)
-    return (0, 1) if row[1] else tuple(row[:8])
-
-
 def _time_case(
     ranks: list[tuple[torch.Tensor, int, int]],
     logits: torch.Tensor,
@@ -233,7 +212,12 @@ def run(
     from shardmax.ops.topp import KEPT_WORDS, RECORD_WORDS, STAT_WORDS
     from shardmax.reference.nucleus_replay import KeptSet, ReplayReason, pipeline_for
     from shardmax.reference.nucleus_shards import decode_record
-    from shardmax.testing.topp_replay import kept_set_violation, row_params
+    from shardmax.testing.topp_replay import (
+        kept_set_violation,
+        kernel_row,
+        replayed_row,
+        row_params,
+    )
     from shardmax.testing.traffic import realistic_batch
 
     dev = torch.device("cuda")
@@ -273,9 +257,9 @@ def run(
                         row = kept[i].tolist()
                         agg["why"][row[0]] = agg["why"].get(row[0], 0) + 1
                         parts = [decode_record(rec[r, i]) for r in range(tp)]
-                        want = _expected(parts, raw.dtype, float(temp[i]), float(top_p[i]), cfg,
-                                         table)  # fmt: skip
-                        agg["par"] += _got(row) != want
+                        want = replayed_row(parts, raw.dtype, float(temp[i]), float(top_p[i]),
+                                            cfg, table)  # fmt: skip
+                        agg["par"] += kernel_row(row) != want
                         if row[0] != 0:
                             continue
                         agg["ok"] += 1

@@ -189,9 +189,10 @@ def _topp_demo(args: argparse.Namespace, dtype: torch.dtype, dev: str, elem: int
         print("\n[top-p] skipped: level histograms exist for bf16 / fp16 logits")
         return True
     from shardmax.ops.topp import RECORD_BYTES, ToppPlan
-    from shardmax.reference.nucleus_replay import ReplayReason, pipeline_for, replay
-    from shardmax.reference.nucleus_shards import decode_record, merge_shard_histograms
+    from shardmax.reference.nucleus_replay import pipeline_for
+    from shardmax.reference.nucleus_shards import decode_record
     from shardmax.testing import shard_like_vllm
+    from shardmax.testing.topp_replay import kernel_row, replayed_row
     from shardmax.testing.traffic import lm_logits
 
     rows = max(1, min(args.reqs, 8))
@@ -213,29 +214,20 @@ def _topp_demo(args: argparse.Namespace, dtype: torch.dtype, dev: str, elem: int
     gathered = torch.stack(recs)  # what all_gather(dim=0) leaves on every rank
     kept, _ = plan.kept(gathered, temp, top_p)
     dt = time.perf_counter() - t0
+    rows_kept = kept.tolist()
+    certified = sum(r[0] == 0 for r in rows_kept)
+    sig = sigma.tolist()
     same = 0
-    certified = 0
     for i in range(rows):
-        h = merge_shard_histograms([decode_record(gathered[r, i]) for r in range(args.tp)],
-                                   dtype)  # fmt: skip
-        k = replay(h, 0.95, cfg, sigma.tolist()) if h is not None else None
-        row = kept[i].tolist()
-        certified += row[0] == 0
-        if k is None:
-            same += row[0] == 7
-        elif k.reason != ReplayReason.OK:
-            same += row[0] == int(k.reason)
-        elif k.nomask:
-            same += row[0] == 0 and row[1] == 1
-        else:
-            same += row[:6] == [0, 0, k.boundary, k.ties_lo, k.ties_hi, k.count]
+        parts = [decode_record(gathered[r, i]) for r in range(args.tp)]
+        same += kernel_row(rows_kept[i]) == replayed_row(parts, dtype, 1.0, 0.95, cfg, sig)
     w = shards[0].local_logits.shape[1]
     print(
         f"\n[top-p] {rows} LM-like rows, T = 1, top-p 0.95, vLLM 0.33's {cfg.pipeline.name.lower()} "
         f"pipeline replayed from {args.tp} ranks' level histograms ({dt:.2f} s)"
     )
     print(f"  kept sets certified: {certified}/{rows}; boundary levels below the top: "
-          f"{[r[2] if r[0] == 0 and not r[1] else None for r in kept.tolist()]}")  # fmt: skip
+          f"{[r[2] if r[0] == 0 and not r[1] else None for r in rows_kept]}")  # fmt: skip
     print(f"  == the plain-torch replay on the same records: {same == rows}")
     print(
         f"  bytes leaving each rank: {_bytes(RECORD_BYTES * rows)} of histograms vs "

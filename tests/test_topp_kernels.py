@@ -39,12 +39,13 @@ from shardmax.reference.nucleus_shards import (
     shard_histogram,
 )
 from shardmax.testing.shards import vllm_shard_ranges
+from shardmax.testing.topp_replay import KERNEL_NONFINITE as NONFINITE
+from shardmax.testing.topp_replay import kernel_row, replayed_row
 from shardmax.testing.traffic import LM_PROFILE, EntropyProfile, lm_logits
 from tests._twice import twice
 
 HOT = EntropyProfile(((0.5, 2.0, 0.4), (2.0, 5.0, 0.6)))
 """Mostly high-entropy rows: the searches that reach deep levels, the tail and branch points."""
-NONFINITE = 7
 SIGMA = torch.special.ndtri((torch.arange(200, dtype=torch.float64) + 0.5) / 200).float()
 """A stand-in for vLLM's sigma table (the kernels and the reference read the same one)."""
 
@@ -207,25 +208,7 @@ def test_parameters_vllm_refuses() -> None:
 
 
 def _expected(parts, dtype, t: float, p: float, cfg: PipelineConfig) -> tuple:
-    h = merge_shard_histograms(parts, dtype, t)
-    if h is None:
-        return (NONFINITE,)
-    if p >= 1.0:
-        return (0, 1, -1)
-    k = replay(h, p, cfg, SIGMA.tolist())
-    if k.reason != ReplayReason.OK:
-        return (int(k.reason),)
-    if k.nomask:
-        return (0, 1, -1)
-    return (0, 0, k.boundary, k.ties_lo, k.ties_hi, k.count, int(k.ties_ordered), k.branches)
-
-
-def _got(row: list[int]) -> tuple:
-    if row[0] != 0:
-        return (row[0],)
-    if row[1]:
-        return (0, 1, row[9])
-    return tuple(row[:8])
+    return replayed_row(parts, dtype, t, p, cfg, SIGMA.tolist())
 
 
 @pytest.mark.parametrize(
@@ -264,9 +247,7 @@ def test_kept_sets_match_reference(
         parts = [decode_record(recs[r, i]) for r in range(tp)]
         want = _expected(parts, dtype, float(temp[i]), float(top_p[i]), cfg)
         row = kept[i].tolist()
-        got = _got(row)
-        if want[:2] == (0, 1):
-            got = (*got[:2], -1)
+        got = kernel_row(row)
         assert got == want, f"row {i}: kernel {row}, reference {want}"
         seen["reason"].add(want[0])
         if len(want) == 8:
@@ -402,7 +383,5 @@ def test_kernels_on_gpu(tp: int) -> None:
             parts = [decode_record(recs[r, i]) for r in range(tp)]
             want = _expected(parts, x.dtype, float(temp[i]), float(top_p[i]), cfg)
             row = kept[i].tolist()
-            got = _got(row)
-            if want[:2] == (0, 1):
-                got = (*got[:2], -1)
+            got = kernel_row(row)
             assert got == want, f"{pipeline.name} row {i}: kernel {row}, reference {want}"

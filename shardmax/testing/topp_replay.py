@@ -39,6 +39,7 @@ from shardmax.reference.nucleus_replay import (
     replay,
 )
 from shardmax.reference.nucleus_shards import (
+    ShardHistogram,
     merge_shard_histograms,
     record_bytes,
     shard_histogram,
@@ -47,11 +48,14 @@ from shardmax.reference.sampled import verify_sampled
 from shardmax.testing.shards import vllm_shard_ranges
 
 __all__ = [
+    "KERNEL_NONFINITE",
     "ReplayedStep",
     "RowReplay",
     "kept_set_violation",
+    "kernel_row",
     "replay_rows",
     "replay_step",
+    "replayed_row",
     "row_params",
 ]
 
@@ -254,3 +258,44 @@ def replay_step(
         ok[r] = why is None
         req_reason.append(why or "OK")
     return ReplayedStep(rows, ok, req_reason, out_lo, rows.hist_rows * record_bytes(levels))
+
+
+KERNEL_NONFINITE = 7
+"""``topp_replay_*``'s reason for a row with NaN / ``+inf`` or no finite value (the reference's
+merge answers ``None`` there)."""
+
+
+def replayed_row(
+    parts: list[ShardHistogram],
+    dtype: torch.dtype,
+    temperature: float,
+    top_p: float,
+    config: PipelineConfig,
+    sigma_table: list[float] | None = None,
+) -> tuple[int, ...]:
+    """The plain-torch answer for one row, in the terms of ``topp_replay_*``'s output
+    (:func:`kernel_row`): ``(7,)`` non-finite, ``(reason,)`` flagged, ``(0, 1)`` no mask (also
+    ``top_p >= 1``), else ``(0, 0, boundary, ties_lo, ties_hi, count, ordered, branches)``.
+    ``parts``: every rank's record of the row (``decode_record``)."""
+    h = merge_shard_histograms(parts, dtype, temperature)
+    if h is None:
+        return (KERNEL_NONFINITE,)
+    if top_p >= 1.0:
+        return (0, 1)
+    k = replay(h, top_p, config, sigma_table)
+    if k.reason != ReplayReason.OK:
+        return (int(k.reason),)
+    if k.nomask:
+        return (0, 1)
+    return (0, 0, k.boundary, k.ties_lo, k.ties_hi, k.count, int(k.ties_ordered), k.branches)
+
+
+def kernel_row(words: list[int]) -> tuple[int, ...]:
+    """One row of ``topp_kept_sets``' kept output (int32 ``[KEPT_WORDS]`` as a list) in the
+    terms of :func:`replayed_row` (a no-mask row whose boundary key is not -1 keeps it, so that
+    the comparison fails)."""
+    if words[0] != 0:
+        return (words[0],)
+    if words[1]:
+        return (0, 1) if words[9] == -1 else (0, 1, words[9])
+    return tuple(words[:8])
