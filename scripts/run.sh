@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job (README): generator + tuner + dispatcher on the detected hardware.
 #  - every machine: render templates -> generated/ and AOT-compile every variant for sm90 and
-#    gfx950; the demo (argmax + one verification step at V=200064, TP4, through the dispatcher,
-#    ids checked against torch.argmax / the reference, bytes on the wire).
+#    gfx950; the demo (argmax, greedy and sampled verification steps and the top-p kept sets of a
+#    few rows at V=200064, TP4, ids checked against torch.argmax / the references, bytes on the
+#    wire).
 #  - a GPU: the tuner's quick sweep for this GPU's arch (writes generated/<arch>/*.json + .png;
 #    with 2+ GPUs also the transport/plain sweep over NCCL), then the quick benchmark.
 #  - no GPU: the tuner's CPU mode (Triton interpreter: a tiny sweep end to end; timings are
@@ -16,7 +17,7 @@ NGPU=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is
 echo "== generator: templates/ -> generated/, AOT compile for sm90 and gfx950"
 python -m generator --arch all
 
-echo "== demo: vocab-parallel argmax + one verification step (every TP rank emulated)"
+echo "== demo: vocab-parallel argmax, verification steps, top-p kept sets (every TP rank emulated)"
 python -m shardmax.demo
 
 if [ "$NGPU" -ge 1 ]; then
