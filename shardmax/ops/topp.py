@@ -88,6 +88,58 @@ def _check_buffer(
         )
 
 
+def _launch_local(
+    local_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    out: torch.Tensor,
+    scratch: torch.Tensor | None,
+    counts: torch.Tensor,
+    *,
+    dtype_name: str,
+    num_valid: int,
+    vocab_start: int,
+    tile0: int,
+    block: int,
+    splits: int,
+    atomic: bool,
+) -> None:
+    """The local stage's launches on checked arguments: ``topp_hist`` over ``(rows, splits)``
+    into ``out`` (one split) or ``scratch``, then ``topp_combine`` of the splits into ``out``."""
+    rows = local_logits.shape[0]
+    chunk = triton.cdiv(triton.cdiv(max(num_valid, 1), splits), block) * block
+    dest = out if splits == 1 else scratch
+    kernel(VariantKey("topp_hist", dtype=dtype_name, block=block).name)(
+        (rows, splits), local_logits, temperature, dest, counts, local_logits.stride(0),
+        num_valid, chunk, vocab_start, tile0, LEVELS=HIST_LEVELS, BLOCK=block, ATOMIC=atomic,
+    )  # fmt: skip
+    if splits > 1:
+        kernel(VariantKey("topp_combine", dtype=dtype_name).name)(
+            (rows,), dest, temperature, out, rows, splits, LEVELS=HIST_LEVELS
+        )
+
+
+def _launch_replay(
+    records: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    sigma: torch.Tensor,
+    kept: torch.Tensor,
+    stat: torch.Tensor,
+    *,
+    dtype_name: str,
+    pipeline: Pipeline,
+    tile0: int,
+    num_warps: int | None = None,
+) -> None:
+    """``topp_replay``'s launch on checked arguments."""
+    tp, rows = records.shape[:2]
+    kernel(VariantKey("topp_replay", dtype=dtype_name).name)(
+        (rows,), records, temperature, top_p, sigma, kept, stat, rows, tp, tile0,
+        PIPELINE=int(pipeline), LEVELS=HIST_LEVELS,
+        **({} if num_warps is None else {"num_warps": num_warps}),
+    )  # fmt: skip
+
+
 def topp_hist_splits(rows: int, width: int, block: int, device: torch.device) -> int:
     """Column splits per row :func:`topp_histograms` uses by default: about
     ``TOPP_HIST_TARGET_PROGRAMS`` programs, at least two ``block`` tiles each (a function of the
@@ -164,29 +216,21 @@ def topp_histograms(
         raise ValueError(f"splits: expected >= 1, got {splits}")
     if rows == 0:
         return out
-    chunk = triton.cdiv(triton.cdiv(max(num_valid, 1), splits), block) * block
-    dest = out
     if splits > 1:
         shape = (splits * rows, RECORD_WORDS)
         if scratch is None:
             scratch = torch.empty(shape, dtype=torch.int32, device=local_logits.device)
         else:
             _check_buffer(scratch, shape, torch.int32, local_logits.device, "scratch")
-        dest = scratch
     cshape = (splits * rows, HIST_LEVELS)
     if counts is None:
         counts = torch.empty(cshape if atomic else (1, 1), dtype=torch.int32, device=out.device)
     elif atomic:
         _check_buffer(counts, cshape, torch.int32, local_logits.device, "counts")
-    name = VariantKey("topp_hist", dtype=dtype, block=block).name
-    kernel(name)(
-        (rows, splits), local_logits, temperature, dest, counts, local_logits.stride(0),
-        num_valid, chunk, vocab_start, tile0, LEVELS=HIST_LEVELS, BLOCK=block, ATOMIC=atomic,
+    _launch_local(
+        local_logits, temperature, out, scratch, counts, dtype_name=dtype, num_valid=num_valid,
+        vocab_start=vocab_start, tile0=tile0, block=block, splits=splits, atomic=atomic,
     )  # fmt: skip
-    if splits > 1:
-        kernel(VariantKey("topp_combine", dtype=dtype).name)(
-            (rows,), dest, temperature, out, rows, splits, LEVELS=HIST_LEVELS
-        )
     return out
 
 
@@ -223,8 +267,9 @@ def topp_kept_sets(
     Returns:
         ``(kept, stat)``: int32 ``[rows, KEPT_WORDS]`` (:data:`KEPT_WORDS`; ``reason`` is a
         :class:`~shardmax.reference.nucleus_replay.ReplayReason` value, 7 for a row with NaN /
-        ``+inf`` or no finite value, 8 for ``top_p <= 0`` / NaN or ``T < 0`` / NaN) and fp64 ``[rows, STAT_WORDS]`` (:data:`STAT_WORDS`: the
-        processed max ``m``, ``z = sum exp(x - m)``, the kept set's sums).
+        ``+inf`` or no finite value, 8 for ``top_p <= 0`` / NaN or ``T < 0`` / NaN) and fp64
+        ``[rows, STAT_WORDS]`` (:data:`STAT_WORDS`: the processed max ``m``, ``z = sum exp(x -
+        m)``, the kept set's sums).
 
     Raises:
         TypeError / ValueError: dtypes, shapes or devices other than the above.
@@ -268,12 +313,8 @@ def topp_kept_sets(
             )
     if rows == 0:
         return kept, stat
-    name = VariantKey("topp_replay", dtype=dname).name
-    kernel(name)(
-        (rows,), records, temperature, top_p, sigma, kept, stat, rows, tp, tile0,
-        PIPELINE=int(pipeline), LEVELS=HIST_LEVELS,
-        **({} if num_warps is None else {"num_warps": num_warps}),
-    )  # fmt: skip
+    _launch_replay(records, temperature, top_p, sigma, kept, stat, dtype_name=dname,
+                   pipeline=pipeline, tile0=tile0, num_warps=num_warps)  # fmt: skip
     return kept, stat
 
 
@@ -309,9 +350,10 @@ class ToppPlan:
         tile0: int = 8192,
         block: int = TOPP_HIST_BLOCK,
     ) -> None:
-        self.dtype_name = _DTYPES.get(dtype)
-        if self.dtype_name is None:
+        name = _DTYPES.get(dtype)
+        if name is None:
             raise TypeError(f"dtype: top-p level histograms need bf16 / fp16, got {dtype}")
+        self.dtype_name: str = name
         for arg, val in (("rows", rows), ("width", width), ("num_valid", num_valid),
                          ("vocab_start", vocab_start), ("tp", tp), ("tile0", tile0)):  # fmt: skip
             if type(val) is not int:
@@ -332,16 +374,12 @@ class ToppPlan:
         _check_buffer(sigma, (200,), torch.float32, self.device, "sigma")
         self.sigma = sigma
         self.splits = topp_hist_splits(rows, width, block, self.device)
-        self.chunk = triton.cdiv(triton.cdiv(max(num_valid, 1), self.splits), block) * block
         dev, i32 = self.device, torch.int32
         self.records = torch.empty((rows, RECORD_WORDS), dtype=i32, device=dev)
         self.scratch = torch.empty((self.splits * rows, RECORD_WORDS), dtype=i32, device=dev)
         self.counts = torch.empty((self.splits * rows, HIST_LEVELS), dtype=i32, device=dev)
         self.kept_out = torch.empty((rows, KEPT_WORDS), dtype=i32, device=dev)
         self.stat = torch.empty((rows, STAT_WORDS), dtype=torch.float64, device=self.device)
-        self._hist = kernel(VariantKey("topp_hist", dtype=self.dtype_name, block=block).name)
-        self._combine = kernel(VariantKey("topp_combine", dtype=self.dtype_name).name)
-        self._replay = kernel(VariantKey("topp_replay", dtype=self.dtype_name).name)
 
     def local(self, local_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
         """This rank's records ``int32 [rows, RECORD_WORDS]`` (the plan's buffer; the bytes to
@@ -354,17 +392,11 @@ class ToppPlan:
             )
         if self.rows == 0:
             return self.records
-        dest = self.scratch if self.splits > 1 else self.records
-        self._hist(
-            (self.rows, self.splits), local_logits, temperature, dest, self.counts,
-            local_logits.stride(0), self.num_valid, self.chunk, self.vocab_start, self.tile0,
-            LEVELS=HIST_LEVELS, BLOCK=self.block, ATOMIC=True,
+        _launch_local(
+            local_logits, temperature, self.records, self.scratch, self.counts,
+            dtype_name=self.dtype_name, num_valid=self.num_valid, vocab_start=self.vocab_start,
+            tile0=self.tile0, block=self.block, splits=self.splits, atomic=True,
         )  # fmt: skip
-        if self.splits > 1:
-            self._combine(
-                (self.rows,), dest, temperature, self.records, self.rows, self.splits,
-                LEVELS=HIST_LEVELS,
-            )  # fmt: skip
         return self.records
 
     def kept(
@@ -379,8 +411,8 @@ class ToppPlan:
                 f"{list(gathered.shape)}"
             )
         if self.rows:
-            self._replay(
-                (self.rows,), gathered, temperature, top_p, self.sigma, self.kept_out, self.stat,
-                self.rows, self.tp, self.tile0, PIPELINE=int(self.pipeline), LEVELS=HIST_LEVELS,
+            _launch_replay(
+                gathered, temperature, top_p, self.sigma, self.kept_out, self.stat,
+                dtype_name=self.dtype_name, pipeline=self.pipeline, tile0=self.tile0,
             )  # fmt: skip
         return self.kept_out, self.stat
