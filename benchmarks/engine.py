@@ -23,6 +23,9 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
      (:mod:`shardmax.ops.resolve`: their rows gathered, vLLM's own kernels on them with the
      whole step's decisions, :meth:`~shardmax.integrations.vllm.chain.NativeChain.verify_requests`);
      every request of it is cross-checked against ``vllm``;
+   * ``shardmax-hist+resolve`` (top-p traffic): the same with the top-p rows verified from level
+     histograms (``VocabShard.verify(rows, topp=pipeline_for(rows, "cuda", version))``, eager
+     launches: the plug-in's top-p call) instead of candidates;
 4. the accepted tokens accumulated on the device (read once at the end, as V2 reads its outputs
    asynchronously).
 
@@ -100,11 +103,13 @@ def _shardmax_step(
     prefill: Any,
     resolve: tuple[Any, dict[str, Any]] | None = None,
     graphed: bool = True,
+    topp: Any = None,
 ) -> Callable[[], Any]:
     """The plug-in's verification call on one rank (TP 1: the shard is the whole vocabulary):
     the step's host checks, the shard's cached plan, its run (from the plan's CUDA graphs when
     ``graphed``, else ``plan.run``); with ``resolve = (chain, verify_inputs)`` also the flagged
-    requests resolved per request. Returns the result."""
+    requests resolved per request; ``topp``: a top-p pipeline (level histograms, eager). Returns
+    the result."""
     from shardmax.ops.resolve import apply_resolved, flagged_requests, gather_rows, request_rows
     from shardmax.plan import VocabShard
     from shardmax.runtime.validation import check_step_batch
@@ -123,11 +128,12 @@ def _shardmax_step(
             t.expanded_local_pos, t.seed, t.num_speculative_steps, None, seq_lens, prefill_len,
             temperature=t.temperature if sampled else None, top_p=t.top_p,
         )  # fmt: skip
-        plan = (
-            shard.verify(rows, with_candidates=t.top_p is not None)
-            if sampled
-            else shard.greedy_verify(rows)
-        )
+        if topp is not None:
+            plan = shard.verify(rows, topp=topp)
+        elif sampled:
+            plan = shard.verify(rows, with_candidates=t.top_p is not None)
+        else:
+            plan = shard.greedy_verify(rows)
         res = shard.graphed(plan).run(logits, batch) if graphed else plan.run(logits, batch)
         if not sampled:
             return res
@@ -322,6 +328,15 @@ def main(argv: list[str] | None = None) -> int:
             if chain is not None and kw is not None:
                 if mix != "greedy":
                     paths["shardmax+resolve"] = _shardmax_step(traffic, mix, prefill, (chain, kw))
+                if mix == "top_p":
+                    from shardmax.reference.nucleus_replay import pipeline_for
+                    from shardmax.runtime.topp_tables import set_sigma_table
+
+                    set_sigma_table(list(chain.modules.topk_topp._NORMAL_CDF_TO_SIGMA_TABLE))
+                    config = pipeline_for(traffic.logits.shape[0], "cuda", chain.version)
+                    paths["shardmax-hist+resolve"] = _shardmax_step(
+                        traffic, mix, prefill, (chain, kw), graphed=False, topp=config
+                    )
                 paths["vllm"] = _vllm_step(traffic, chain, kw)
             same = resolved_note = ""
             if "vllm" in paths:
@@ -333,6 +348,18 @@ def main(argv: list[str] | None = None) -> int:
                     resolved_note = (
                         f"{bad_r} of {reqs} requests differ from vLLM after resolving "
                         f"{flagged} ({left} left flagged)"
+                    )
+                hist_note = ""
+                if "shardmax-hist+resolve" in paths:
+                    hist = paths["shardmax-hist+resolve"]
+                    plain = _shardmax_step(
+                        traffic, mix, prefill, graphed=False, topp=config
+                    )()  # unresolved: its flags
+                    bad_h, flagged_h = _mismatches(plain, theirs)
+                    bad_hr, left_h = _mismatches(hist(), theirs)
+                    hist_note = (
+                        f"{bad_h} unflagged requests differ from vLLM, {flagged_h} flagged of "
+                        f"{reqs}; {bad_hr} differ after resolving ({left_h} left flagged)"
                     )
             if args.profile:
                 for name in ("shardmax", "shardmax+resolve"):
@@ -350,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["fallback_rate"] = ""
                 if path == "shardmax+resolve":
                     row["note"] = resolved_note
+                if path == "shardmax-hist+resolve":
+                    row["note"] = hist_note
                 if path == "shardmax" and same:
                     eager = paths["shardmax-eager"]()
                     ours = paths["shardmax"]()

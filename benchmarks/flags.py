@@ -10,8 +10,15 @@ it sends in the full-logits all-gather (its ``[rows, W]`` shard). A whole-step n
 never needed (resolution has no capacity limit in the eager plug-in), so its rate is 0 by
 construction and not reported.
 
+Two paths for the top-p rows: ``candidates`` (every C the kernels take, fast and strict mode) and
+``histogram`` (fast mode: each rank's level-histogram record of every row rides in the same
+all_gather, the kept sets are replayed on every rank with vLLM 0.33's pipeline for the step's
+row count, and the draw is masked to them; its bytes add the second, small exchange of the draw
+keys). With an extracted vLLM 0.33 tree (``SHARDMAX_VLLM_KERNELS``) the histogram path's
+unflagged requests are compared with vLLM's own chain on the full logits (``oracle_mismatch``).
+
     python -m benchmarks.flags [--seeds 20] [--vocab 151936,200064] [--reqs 8,40] [--tp 2,4,8]
-        [--out benchmarks/results/<arch>]
+        [--paths candidates,histogram] [--out benchmarks/results/<arch>]
 
 Writes ``flags.csv``, ``flags.png`` and ``FLAGS.md`` (only after every case ran). Needs a GPU
 (the interpreter would take hours at these vocabularies).
@@ -30,8 +37,9 @@ from typing import Any
 import torch
 
 FIELDS = [
-    "vocab", "tp", "rows", "reqs_per_step", "steps", "mode", "candidates", "flagged_req_pct",
-    "flagged_rows_pct", "record_bytes_per_rank", "wire_pct_of_allgather", "reasons",
+    "vocab", "tp", "rows", "reqs_per_step", "steps", "path", "mode", "candidates",
+    "flagged_req_pct", "flagged_rows_pct", "steps_flagged_pct", "record_bytes_per_rank",
+    "wire_pct_of_allgather", "reasons", "oracle_requests", "oracle_mismatch",
 ]  # fmt: skip
 WIRE_TARGET_PCT = 5.0
 """Issue 18: bytes crossing ranks <= 5 % of the full-logits all-gather."""
@@ -78,8 +86,11 @@ def run_case(
                 st = stats.get((mode, c))
                 if st is None:
                     words = _record_words(b.logits, tp, mode, c)
-                    st = stats[(mode, c)] = {"req": 0, "rows": 0, "why": Counter(), "words": words}
+                    st = stats[(mode, c)] = {
+                        "req": 0, "rows": 0, "steps": 0, "why": Counter(), "words": words
+                    }  # fmt: skip
                 st["req"] += int(req.size)
+                st["steps"] += int(req.size > 0)
                 st["rows"] += int(request_rows(cu_np, req).size)
                 st["why"].update(FallbackReason(int(x)).name for x in codes)
     del rows
@@ -95,6 +106,7 @@ def run_case(
                 "rows": reqs * 4,
                 "reqs_per_step": reqs,
                 "steps": seeds,
+                "path": "candidates",
                 "mode": mode,
                 "candidates": c,
                 "flagged_req_pct": 100.0 * st["req"] / total_req,
@@ -102,9 +114,83 @@ def run_case(
                 "record_bytes_per_rank": rec,
                 "wire_pct_of_allgather": 100.0 * (rec + gathered) / full,
                 "reasons": json.dumps(dict(st["why"].most_common()), sort_keys=False),
+                "steps_flagged_pct": 100.0 * st["steps"] / seeds,
+                "oracle_requests": "",
+                "oracle_mismatch": "",
             }
         )
     return out
+
+
+def _vllm_033() -> Any:
+    """vLLM 0.33's chain from an extracted tree (None without one) -- also sets its sigma table
+    for the monolithic replay."""
+    from shardmax.runtime.topp_tables import set_sigma_table
+    from shardmax.testing.vllm_chain import NativeChain
+
+    chains = [c for c in NativeChain.discover() if c.version.startswith("0.33")]
+    if not chains:
+        return None
+    set_sigma_table(list(chains[-1].modules.topk_topp._NORMAL_CDF_TO_SIGMA_TABLE))
+    return chains[-1]
+
+
+def run_hist_case(
+    vocab: int, tp: int, reqs: int, seeds: int, chain: Any, device: str = "cuda"
+) -> dict:
+    """The histogram path on ``seeds`` realistic top-p steps: flags, bytes, and (with ``chain``)
+    unflagged requests that differ from vLLM 0.33's chain on the full logits."""
+    from shardmax.ops.resolve import flagged_requests, request_rows
+    from shardmax.ops.sampled import FallbackReason, SampledVerifyPlan
+    from shardmax.reference.nucleus_replay import pipeline_for
+    from shardmax.testing.emulate import _stride, emulated_ranks
+    from shardmax.testing.emulate_sampled import emulate_verify
+    from shardmax.testing.traffic import realistic_batch
+    from shardmax.testing.vllm_chain import verify_inputs
+
+    width = -(-vocab // tp)
+    rows = reqs * 4
+    config = pipeline_for(rows, "cuda", "0.33")
+    flagged = flagged_rows = steps_flagged = compared = mismatch = 0
+    why: Counter[str] = Counter()
+    words = 0
+    for seed in range(seeds):
+        b = realistic_batch(reqs, 3, vocab, seed=1000 + seed, mix="top_p", device=device)
+        if not words:
+            shards, ctxs = emulated_ranks(b.logits, tp, None)
+            plan = SampledVerifyPlan(ctxs[0], rows, _stride(shards[0].local_logits), topp=config)
+            ms = 2 * (1 + plan.use_fp64_gumbel)
+            words = plan.n_words + plan.draw_launch(reqs).splits * reqs * ms
+        res = emulate_verify(
+            b.logits, tp, *b.sampled_args(), top_p=b.top_p, topp=config,
+        )  # fmt: skip
+        req, codes = flagged_requests(res)
+        flagged += int(req.size)
+        flagged_rows += int(request_rows(b.cu_num_logits.cpu().numpy(), req).size)
+        steps_flagged += int(req.size > 0)
+        why.update(FallbackReason(int(x)).name for x in codes)
+        if chain is not None:
+            from benchmarks.engine import _mismatches
+
+            whole = chain.verify(b.logits, **verify_inputs(b))
+            bad, _ = _mismatches(res, whole)
+            mismatch += bad
+            compared += reqs - int(req.size)
+    rec = 8 * words
+    gathered = 2 * width * flagged_rows / seeds
+    full = 2 * width * rows
+    return {
+        "vocab": vocab, "tp": tp, "rows": rows, "reqs_per_step": reqs, "steps": seeds,
+        "path": "histogram", "mode": "fast", "candidates": 0,
+        "flagged_req_pct": 100.0 * flagged / (reqs * seeds),
+        "flagged_rows_pct": 100.0 * flagged_rows / (rows * seeds),
+        "steps_flagged_pct": 100.0 * steps_flagged / seeds,
+        "record_bytes_per_rank": rec,
+        "wire_pct_of_allgather": 100.0 * (rec + gathered) / full,
+        "reasons": json.dumps(dict(why.most_common()), sort_keys=False),
+        "oracle_requests": compared if chain is not None else "",
+        "oracle_mismatch": mismatch if chain is not None else "",
+    }  # fmt: skip
 
 
 def plot(rows: list[dict], png: Path) -> None:
@@ -115,12 +201,23 @@ def plot(rows: list[dict], png: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for key in sorted({(r["vocab"], r["rows"], r["mode"]) for r in rows}):
-        sel = [r for r in rows if (r["vocab"], r["rows"], r["mode"]) == key and r["tp"] == 2]
+        sel = [
+            r for r in rows
+            if (r["vocab"], r["rows"], r["mode"]) == key and r["tp"] == 2
+            and r["path"] == "candidates"
+        ]  # fmt: skip
+        if not sel:
+            continue
         sel.sort(key=lambda r: r["candidates"])
         x = [r["candidates"] for r in sel]
         label = f"V={key[0]} rows={key[1]} {key[2]}"
         axes[0].plot(x, [r["flagged_req_pct"] for r in sel], marker="o", label=label)
         axes[1].plot(x, [r["wire_pct_of_allgather"] for r in sel], marker="o", label=label)
+    hist = [r for r in rows if r["path"] == "histogram" and r["tp"] == 2]
+    for r in hist:
+        label = f"V={r['vocab']} rows={r['rows']} histogram"
+        axes[0].axhline(r["flagged_req_pct"], ls=":", lw=1.2, label=label)
+        axes[1].axhline(r["wire_pct_of_allgather"], ls=":", lw=1.2, label=label)
     axes[0].set_title("TP2: requests flagged (%)")
     axes[1].set_title("TP2: bytes sent vs full-logits all-gather (%)")
     axes[1].axhline(WIRE_TARGET_PCT, color="k", ls="--", lw=0.8)
@@ -136,14 +233,22 @@ def plot(rows: list[dict], png: Path) -> None:
 def summary(rows: list[dict]) -> str:
     lines = [
         "# Flags and bytes on realistic T = 1 / top-p 0.95 traffic (issue 18)", "",
-        "| V | TP | rows | mode | C | requests flagged | rows gathered | record B / rank | "
-        "bytes vs all-gather | reasons |", "|---|---|---|---|---|---|---|---|---|---|",
+        "| V | TP | rows | path | mode | C | requests flagged | steps with a flag | rows gathered "
+        "| record B / rank | bytes vs all-gather | unflagged != vLLM 0.33 | reasons |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:
+        oracle = (
+            f"{r['oracle_mismatch']} of {r['oracle_requests']}"
+            if r["oracle_requests"] != ""
+            else "-"
+        )
         lines.append(
-            f"| {r['vocab']} | {r['tp']} | {r['rows']} | {r['mode']} | {r['candidates']} | "
-            f"{r['flagged_req_pct']:.1f} % | {r['flagged_rows_pct']:.1f} % | "
-            f"{r['record_bytes_per_rank']} | {r['wire_pct_of_allgather']:.1f} % | {r['reasons']} |"
+            f"| {r['vocab']} | {r['tp']} | {r['rows']} | {r['path']} | {r['mode']} | "
+            f"{r['candidates'] or '-'} | {r['flagged_req_pct']:.1f} % | "
+            f"{r['steps_flagged_pct']:.0f} % | {r['flagged_rows_pct']:.1f} % | "
+            f"{r['record_bytes_per_rank']} | {r['wire_pct_of_allgather']:.1f} % | {oracle} | "
+            f"{r['reasons']} |"
         )
     ok = [r for r in rows if r["wire_pct_of_allgather"] <= WIRE_TARGET_PCT]
     lines += [
@@ -160,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", default="151936,200064")
     ap.add_argument("--reqs", default="8,40")
     ap.add_argument("--tp", default="2,4,8")
+    ap.add_argument("--paths", default="candidates,histogram")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -168,13 +274,24 @@ def main(argv: list[str] | None = None) -> int:
     from shardmax.runtime.defaults import CANDIDATE_CHOICES
     from shardmax.runtime.dispatch import detect_arch
 
+    paths = args.paths.split(",")
+    chain = _vllm_033() if "histogram" in paths else None
+    if "histogram" in paths and chain is None:
+        print("benchmarks.flags: no vLLM 0.33 tree: the histogram path needs its sigma table "
+              "(bash scripts/vllm_sources.sh 0.33.0; SHARDMAX_VLLM_KERNELS)", file=sys.stderr)  # fmt: skip
+        return 2
     rows: list[dict] = []
     for vocab in (int(v) for v in args.vocab.split(",")):
         for reqs in (int(r) for r in args.reqs.split(",")):
             for tp in (int(t) for t in args.tp.split(",")):
-                got = run_case(vocab, tp, reqs, args.seeds, tuple(CANDIDATE_CHOICES))
+                got = []
+                if "candidates" in paths:
+                    got += run_case(vocab, tp, reqs, args.seeds, tuple(CANDIDATE_CHOICES))
+                if "histogram" in paths:
+                    got.append(run_hist_case(vocab, tp, reqs, args.seeds, chain))
                 for r in got:
-                    print(f"V={vocab} TP{tp} rows={r['rows']} {r['mode']:6} C={r['candidates']:3}: "
+                    print(f"V={vocab} TP{tp} rows={r['rows']} {r['path']:10} {r['mode']:6} "
+                          f"C={r['candidates']:3}: "
                           f"flagged {r['flagged_req_pct']:5.1f} % of requests, wire "
                           f"{r['wire_pct_of_allgather']:5.1f} %  {r['reasons']}", flush=True)  # fmt: skip
                 rows += got

@@ -40,11 +40,14 @@
 #                                   their GPU tests, then against the plain-torch replay and vLLM
 #                                   0.33's own top-p mask, twice per step, timed
 #                                   (benchmarks/topp_kernels.py)
+#   bash scripts/gpu_session.sh Q   one H200: top-p steps verified from level histograms against
+#                                   every carried vLLM chain (twice, bit-compared), their flags and
+#                                   bytes (benchmarks/flags.py) and the engine-faithful loop
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A-P}
+STAGE=${1:?stage A-Q}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -287,6 +290,24 @@ O)
     --workers "$(($(nproc) - 2))" --out "$OUT/topp_replay" \
     >"$OUT/topp_replay_O.log" 2>&1
   echo "  rc=$?"; tail -n 20 "$OUT/topp_replay_O.log"
+  ;;
+Q)
+  # top-p steps verified from level histograms (issue 18) on one H200: vs every carried vLLM
+  # chain (twice, bit-compared), flags and bytes on realistic traffic, the engine-faithful loop
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "histogram top-p vs vLLM's chains (every call twice)"
+  SHARDMAX_TOPP_GPU_SEEDS=${TOPP_SEEDS:-6} timeout "$(left 200)" python3 -m pytest -m gpu -q -s \
+    -p no:cacheprovider -W default -rf --tb=short tests/test_topp_verify.py \
+    >"$OUT/topp_verify_Q.log" 2>&1
+  echo "  rc=$?"; grep -E "topp gpu|passed|failed|^FAILED|^E " "$OUT/topp_verify_Q.log" | tail -20
+  stamp "flags and bytes, histogram path"
+  timeout "$(left 420)" python3 -m benchmarks.flags --paths histogram --seeds "${FLAG_SEEDS:-10}" \
+    --out "$OUT/flags_hist" >"$OUT/flags_Q.log" 2>&1
+  echo "  rc=$?"; tail -n 16 "$OUT/flags_Q.log"
+  stamp "engine-faithful loop, top-p"
+  timeout "$(left 580)" python3 -m benchmarks.engine --mixes top_p --rows "${ENGINE_ROWS:-32,160}" \
+    --steps "${ENGINE_STEPS:-60}" --out "$OUT/engine_topp" >"$OUT/engine_Q.log" 2>&1
+  echo "  rc=$?"; grep -E "^top_p " "$OUT/engine_Q.log"
   ;;
 P)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels

@@ -44,6 +44,7 @@ import torch
 from shardmax.ops.argmax import ArgmaxPlan
 from shardmax.ops.greedy import GreedyVerifyPlan
 from shardmax.ops.sampled import RecordLaunch, SampledVerifyPlan
+from shardmax.reference.nucleus_replay import PipelineConfig
 from shardmax.runtime.collectives import resolve
 from shardmax.runtime.dispatch import override_key
 from shardmax.runtime.geometry import Geometry, exchange_geometry
@@ -181,12 +182,15 @@ class VocabShard:
         logits_processed: bool = False,
         row_stride: int | None = None,
         launch: RecordLaunch | None = None,
+        topp: PipelineConfig | None = None,
     ) -> SampledVerifyPlan:
         """Plan of sampled verification over ``num_logits`` logits rows
         (:class:`~shardmax.ops.sampled.SampledVerifyPlan`): ``mode`` "fast" | "strict";
         ``with_candidates`` when the steps carry top-k / top-p / min-p tensors;
         ``logits_processed`` vLLM's chunk gate (strict mode); ``launch`` forces the record launch
-        (the tuner), else the dispatcher's."""
+        (the tuner), else the dispatcher's; ``topp`` verifies top-p steps (without top-k /
+        min-p) from level histograms with this vLLM pipeline instead of candidates
+        (:class:`~shardmax.ops.sampled.SampledVerifyPlan`)."""
         rows, stride = check_int("num_logits", num_logits, 0), self._stride(row_stride)
         for name, v in (
             ("use_fp64_gumbel", use_fp64_gumbel),
@@ -199,12 +203,15 @@ class VocabShard:
                     f"({type(v).__module__}.{type(v).__qualname__})"
                 )
         processed = logits_processed if mode == "strict" else False
-        key = ("sampled", rows, stride, mode, use_fp64_gumbel, with_candidates, processed, launch)
+        key = (
+            "sampled", rows, stride, mode, use_fp64_gumbel, with_candidates, processed, launch,
+            topp,
+        )  # fmt: skip
         return self._plan(
             key,
             lambda: SampledVerifyPlan(
                 self.ctx, rows, stride, mode=mode, use_fp64_gumbel=use_fp64_gumbel,
-                with_candidates=with_candidates, processed=processed, launch=launch,
+                with_candidates=with_candidates, processed=processed, launch=launch, topp=topp,
             ),
         )  # fmt: skip
 

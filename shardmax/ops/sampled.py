@@ -50,6 +50,8 @@ import torch
 import triton
 
 from shardmax.ops import strict as strict_mod
+from shardmax.ops import topp as topp_mod
+from shardmax.reference.nucleus_replay import Pipeline, PipelineConfig
 from shardmax.runtime import kernels
 from shardmax.runtime.defaults import (
     CANDIDATE_CHOICES,
@@ -138,6 +140,9 @@ class FallbackReason(IntEnum):
     TOPK_BOUNDARY = 11  # k-th value too close to the next one, past the exact prefix, or no
     # finite kept value known (e.g. a record split's candidates overflowed)
     NO_KEPT_TOKEN = 12  # the resampled row has no kept id left to draw
+    TOPP_NOT_CERTIFIED = 13  # level-histogram top-p: the replay could not certify the kept set
+    TOPP_TIE = 14  # level-histogram top-p: the draft or the drawn token is a boundary tie vLLM
+    # may or may not keep
 
 
 class VerifyResult(NamedTuple):
@@ -326,6 +331,50 @@ def draw_launch(
         VariantKey("sampled_draw", dtype=SUPPORTED_DTYPES[dtype], block=DEFAULT_RECORD_BLOCK)
     )
     return DrawLaunch(name, splits, DRAW_WARPS, max(chunk, DEFAULT_RECORD_BLOCK))
+
+
+def _check_topp(ctx: ShardContext, topp: object, mode: str, with_candidates: bool) -> None:
+    """A ``topp`` plan argument: a PipelineConfig on a fast, candidate-free step of bf16 / fp16
+    logits (the level histograms key 16-bit values)."""
+    if not isinstance(topp, PipelineConfig):
+        raise TypeError(f"topp: expected a PipelineConfig or None, got {type(topp).__name__}")
+    if with_candidates:
+        raise ValueError("topp: level-histogram top-p steps carry no candidates")
+    if mode != "fast":
+        raise ValueError(
+            "topp: level-histogram top-p is fast mode only (strict mode verifies top-p rows "
+            "through candidates)"
+        )
+    if ctx.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"topp: level histograms need bf16 / fp16 logits, got {ctx.dtype}")
+
+
+_SIGMAS: dict[tuple[torch.device, tuple[float, ...]], torch.Tensor] = {}
+
+
+def topp_sigma(pipeline: Pipeline, device: torch.device) -> torch.Tensor:
+    """fp32 ``[200]`` on ``device``: vLLM's sigma table for the monolithic pipeline
+    (:func:`shardmax.runtime.topp_tables.sigma_table`), zeros for the split pipelines (which never
+    read it); cached per device.
+
+    Raises:
+        ValueError: a monolithic pipeline and no table known.
+    """
+    from shardmax.runtime.topp_tables import sigma_table
+
+    mono = Pipeline(pipeline) == Pipeline.MONOLITHIC
+    table = sigma_table() if mono else None
+    if mono and table is None:
+        raise ValueError(
+            "topp: the monolithic top-p replay needs vLLM's sigma table; no vLLM is importable "
+            "-- call shardmax.runtime.topp_tables.set_sigma_table(...) first"
+        )
+    vals = tuple(table) if table is not None else (0.0,) * 200
+    key = (torch.device(device), vals)
+    got = _SIGMAS.get(key)
+    if got is None:
+        got = _SIGMAS[key] = torch.tensor(vals, dtype=torch.float32, device=device)
+    return got
 
 
 def check_record_selection(variant: str, dtype: str) -> None:
@@ -545,6 +594,8 @@ def sampled_finish(
     unsafe: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     draw: torch.Tensor | None = None,
+    kept: tuple[torch.Tensor, torch.Tensor] | None = None,
+    level_fp16: bool = False,
 ) -> VerifyResult:
     """Finish: gathered records -> :class:`VerifyResult` (one program per request).
 
@@ -554,7 +605,10 @@ def sampled_finish(
     the batch has none); ``lse`` (fp32 ``[num_logits]``, strict mode) vLLM's LSE of every row,
     used instead of the records'; ``draw`` (int32 ``[2 * num_reqs]``, a two-phase step without
     candidates): the finish leaves each sampled request's drawn token ``-1`` and writes there the
-    row that draws (``-1``: none) and its column, for :func:`draw_keys` / :func:`pick_tokens`."""
+    row that draws (``-1``: none) and its column, for :func:`draw_keys` / :func:`pick_tokens`;
+    ``kept`` (with ``draw``): the rows' top-p kept sets and statistics from the level histograms
+    (int32 ``[num_logits, 10]``, fp64 ``[num_logits, 4]``: :func:`shardmax.ops.topp.
+    topp_kept_sets`), ``level_fp16`` whether their level keys are fp16's (else bf16's)."""
     k = batch.num_speculative_steps
     dev = records.device
     res = empty_result(batch.num_reqs, k, dev)
@@ -565,6 +619,8 @@ def sampled_finish(
     has_prefill = batch.seq_lens is not None and batch.prefill_len is not None
     if top_k is not None and candidates is None:
         raise ValueError("candidates: required when top_k is given")
+    if kept is not None and (draw is None or top_k is not None):
+        raise ValueError("kept: top-p kept sets need a two-phase step (draw) without candidates")
     dummy = res.num_sampled
     kernels.kernel(variant)(
         (batch.num_reqs,),
@@ -589,6 +645,8 @@ def sampled_finish(
         res.reason,
         lse if lse is not None else dummy,
         draw if draw is not None else dummy,
+        kept[0] if kept is not None else dummy,
+        kept[1] if kept is not None else records,
         batch.num_logits,
         batch.num_slots,
         parts,
@@ -606,6 +664,8 @@ def sampled_finish(
         HAS_KEEP=keep is not None,
         STRICT=lse is not None,
         DRAW=draw is not None,
+        HAS_KEPT=kept is not None,
+        LEVEL_FP16=level_fp16,
     )
     return res
 
@@ -619,11 +679,14 @@ def draw_keys(
     launch: DrawLaunch,
     use_fp64_gumbel: bool,
     keys: torch.Tensor,
+    kept: torch.Tensor | None = None,
 ) -> None:
     """Phase 2 of a two-phase step on one rank: for each request ``r`` of ``draw`` (int32
     ``[2 * num_reqs]``, :func:`sampled_finish`'s) the Gumbel keys of its drawing row over this
     rank's columns, ``launch.splits`` programs per request, into the flat int64 ``keys``
-    (``[splits * num_reqs, 1 | 2]``, split-major). One ``sampled_draw_*`` launch."""
+    (``[splits * num_reqs, 1 | 2]``, split-major; with ``kept``, int32 ``[num_logits, 10]``
+    top-p kept sets, the draw is masked to them and each slot doubles: ``[.., 2 | 4]``, the
+    unsure boundary ties' best key second). One ``sampled_draw_*`` launch."""
     num_reqs = draw.numel() // 2
     if num_reqs == 0:
         return
@@ -638,6 +701,7 @@ def draw_keys(
         params.seed,
         params.pos,
         params.draft,
+        kept if kept is not None else draw,
         local_logits.stride(0),
         vocab_start,
         num_valid,
@@ -646,6 +710,7 @@ def draw_keys(
         BLOCK=k.module.BLOCK,
         FP64=use_fp64_gumbel,
         INDIRECT=indirect,
+        KEPT=kept is not None,
         num_warps=launch.num_warps,
     )
 
@@ -670,12 +735,15 @@ def pick_tokens(
     use_fp64_gumbel: bool,
     res: VerifyResult,
     row_draft: torch.Tensor,
+    kept: bool = False,
 ) -> None:
     """Every rank, on the gathered ``[tp, n]`` draw keys: each drawing request's token into
     ``res.sampled`` (int64 ``[num_reqs, K + 1]``) at the column ``draw`` names; a drawn row
     without a draft (``row_draft``, int64 ``[num_logits]``: :class:`RowParams` ``draft``) that
     holds NaN / ``+inf`` or no finite value flags its request ``NON_FINITE`` in ``res`` (phase 1
-    did not read it). One launch."""
+    did not read it); ``kept``: the keys come from a draw masked to top-p kept sets (two slots
+    per part), and a request whose unsure boundary ties' best key wins is flagged ``TOPP_TIE``.
+    One launch."""
     num_reqs = draw.numel() // 2
     if num_reqs == 0:
         return
@@ -700,6 +768,7 @@ def pick_tokens(
         FP64=use_fp64_gumbel,
         BLOCK_R=per,
         PARTS_P2=triton.next_power_of_2(parts),
+        KEPT=kept,
     )
 
 
@@ -716,12 +785,22 @@ class SampledVerifyPlan:
     without candidates, :attr:`two_phase`) then runs :meth:`draw` (the drawing rows' Gumbel
     keys) -> a second all_gather -> :meth:`pick` (the tokens). :meth:`run` does them all.
 
+    ``topp`` (a :class:`~shardmax.reference.nucleus_replay.PipelineConfig`: the top-p pipeline
+    vLLM runs for these rows, :func:`~shardmax.reference.nucleus_replay.pipeline_for`): top-p
+    steps without top-k / min-p verified from level histograms instead of candidates
+    (:mod:`shardmax.ops.topp`): :meth:`local` appends each row's :data:`~shardmax.ops.topp.
+    RECORD_BYTES`-byte histogram record to the same all_gather, :meth:`finish` replays vLLM's
+    search on every rank (``topp_replay_*``) and decides each request over the certified kept
+    set, and the draw is masked to it. Always two-phase, fast mode, bf16 / fp16 logits.
+
     Raises:
         ValueError: an unknown mode; strict mode with more rows than one vLLM verification chunk
             (:func:`max_chunk_rows`) or ranks' ranges with a gap (:func:`shardmax.ops.strict.plan`);
             a ``launch`` that is not a record kernel of the shard's dtype; ``draw_splits``
             (programs per request of a two-phase step's draw; default the built-in rule) not in
-            ``[1, MAX_DRAW_SPLITS]`` (128).
+            ``[1, MAX_DRAW_SPLITS]`` (128); ``topp`` with candidates, strict mode or fp32
+            logits, or a monolithic ``topp`` pipeline without vLLM's sigma table
+            (:func:`shardmax.runtime.topp_tables.set_sigma_table`).
     """
 
     op = "sampled"
@@ -738,9 +817,13 @@ class SampledVerifyPlan:
         processed: bool = False,
         launch: RecordLaunch | None = None,
         draw_splits: int | None = None,
+        topp: PipelineConfig | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        self.topp = topp
+        if topp is not None:
+            _check_topp(ctx, topp, mode, with_candidates)
         self.ctx = ctx
         self.num_logits = rows = num_logits
         self.row_stride = row_stride
@@ -764,6 +847,8 @@ class SampledVerifyPlan:
                 )
         if launch.phases not in PHASE_CHOICES or isinstance(launch.phases, bool):
             raise ValueError(f"phases: expected one of {PHASE_CHOICES}, got {launch.phases!r}")
+        if topp is not None:
+            launch = launch._replace(phases=2)
         self.launch = launch
         self.two_phase = launch.phases == 2 and not with_candidates
         if draw_splits is not None and (
@@ -781,6 +866,15 @@ class SampledVerifyPlan:
         s, c = launch.splits, launch.candidates
         self.n_records = s * rows * self.words
         self.n_words = self.n_records + (s * rows * c if with_candidates else 0)
+        self.topp_words = 0  # int64 words of this rank's top-p histogram records
+        self.topp_splits = 1
+        if topp is not None:
+            self.topp_words = rows * topp_mod.RECORD_WORDS // 2
+            self.n_words += self.topp_words
+            self.topp_splits = topp_mod.topp_hist_splits(
+                rows, ctx.width, topp_mod.TOPP_HIST_BLOCK, ctx.device
+            )
+            self._sigma = topp_sigma(topp.pipeline, ctx.device)
         self.strict: strict_mod.StrictLayout | None = None
         if mode == "strict":
             if rows > max_chunk_rows(self.vocab):
@@ -814,7 +908,15 @@ class SampledVerifyPlan:
             ws.reserve(name, 8 * rows)
         if self.two_phase:
             ws.reserve("sampled.draw", 4 * 2 * rows)
-            ws.reserve("sampled.keys", 8 * MAX_DRAW_SPLITS * rows * (1 + self.use_fp64_gumbel))
+            slot = (1 + self.use_fp64_gumbel) * (2 if self.topp is not None else 1)
+            ws.reserve("sampled.keys", 8 * MAX_DRAW_SPLITS * rows * slot)
+        if self.topp is not None:
+            ts = self.topp_splits
+            ws.reserve("topp.scratch", 4 * ts * rows * topp_mod.RECORD_WORDS)
+            ws.reserve("topp.counts", 4 * ts * rows * topp_mod.HIST_LEVELS)
+            ws.reserve("topp.kept", 4 * rows * topp_mod.KEPT_WORDS)
+            ws.reserve("topp.stat", 8 * rows * topp_mod.STAT_WORDS)
+            ws.reserve("topp.top_p", 8 * rows)
         if self.with_candidates:
             ws.reserve("sampled.scratch", 8 * s * rows * candidate_capacity(c))
             ws.reserve("sampled.merged", 8 * rows * c)
@@ -866,7 +968,13 @@ class SampledVerifyPlan:
         if batch.temperature is None:
             raise ValueError("temperature: required by sampled verification")
         has = batch.top_k is not None or batch.top_p is not None or batch.min_p is not None
-        if has != self.with_candidates:
+        if self.topp is not None:
+            if batch.top_p is None or batch.top_k is not None or batch.min_p is not None:
+                raise ValueError(
+                    "top_p: this plan verifies top-p from level histograms; its steps carry "
+                    "top_p and neither top_k nor min_p"
+                )
+        elif has != self.with_candidates:
             raise ValueError(
                 "top_k / top_p / min_p: this plan was made "
                 f"{'with' if self.with_candidates else 'without'} candidates (top-k / top-p / "
@@ -899,10 +1007,52 @@ class SampledVerifyPlan:
             self.strict.rank_extras(
                 ctx.rank, logits, params.temperature, ctx.tp, buf[self.n_words - extra :]
             )
+        if self.topp is not None:
+            self._topp_local(logits, params)
         sent = self._views.get("sampled.send[1, n]")
         if sent is None:
             sent = self._views["sampled.send[1, n]"] = buf.view(1, -1)
         return sent
+
+    def _topp_records(self, buf: torch.Tensor) -> torch.Tensor:
+        """The top-p record region of a flat exchange buffer (``[n]`` sent or ``[tp, n]``
+        gathered int64) as int32 ``[rows, RECORD_WORDS]`` / ``[tp, rows, RECORD_WORDS]``."""
+        rows, a = self.num_logits, self.n_records
+        region = buf[..., a : a + self.topp_words]
+        return region.view(torch.int32).unflatten(-1, (rows, topp_mod.RECORD_WORDS))
+
+    def _topp_local(self, logits: torch.Tensor, params: RowParams) -> None:
+        ctx, rows, ts, topp = self.ctx, self.num_logits, self.topp_splits, self.topp
+        assert topp is not None
+        buf = self._view("sampled.send", (self.n_words,), torch.int64)
+        out = self._views.get("topp.out")
+        if out is None:
+            out = self._views["topp.out"] = self._topp_records(buf)
+        recs = topp_mod.RECORD_WORDS
+        topp_mod._launch_local(
+            logits, params.temperature, out,
+            self._view("topp.scratch", (ts * rows, recs), torch.int32),
+            self._view("topp.counts", (ts * rows, topp_mod.HIST_LEVELS), torch.int32),
+            dtype_name=ctx.dtype_name, num_valid=ctx.num_valid, vocab_start=ctx.vocab_start,
+            tile0=topp.tile0, block=topp_mod.TOPP_HIST_BLOCK, splits=ts, atomic=True,
+        )  # fmt: skip
+
+    def _topp_kept(
+        self, gathered: torch.Tensor, batch: StepBatch, params: RowParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's kept set from the gathered histogram records (``topp_replay_*``)."""
+        rows, topp = self.num_logits, self.topp
+        assert topp is not None
+        kept = self.kept_sets()
+        stat = self._view("topp.stat", (rows, topp_mod.STAT_WORDS), torch.float64)
+        assert batch.top_p is not None  # fp64 per slot (the batch's), rounded to fp32 by the replay
+        top_p = self._view("topp.top_p", (rows,), batch.top_p.dtype)
+        torch.index_select(batch.top_p, 0, params.slot, out=top_p)
+        topp_mod._launch_replay(
+            self._topp_records(gathered), params.temperature, top_p, self._sigma, kept, stat,
+            dtype_name=self.ctx.dtype_name, pipeline=topp.pipeline, tile0=topp.tile0,
+        )  # fmt: skip
+        return kept, stat
 
     def exchange(self, sent: torch.Tensor) -> torch.Tensor:
         return self.ctx.coll.all_gather_dim0(sent)
@@ -932,6 +1082,9 @@ class SampledVerifyPlan:
                 keep, unsafe = keep_buf, unsafe_buf
             if top_k is None:  # candidates for top-p / min-p only: top-k off everywhere
                 top_k = self.ctx.zeros_int32(batch.num_slots)
+        kept = None
+        if self.topp is not None:
+            kept = self._topp_kept(gathered, batch, params)
         lse = None
         if self.strict is not None:
             lse = self.strict.lse(
@@ -943,6 +1096,7 @@ class SampledVerifyPlan:
             self.use_fp64_gumbel, splits=self.launch.splits, rank_words=self.n_words,
             top_k=top_k, candidates=cand, keep=keep, unsafe=unsafe, lse=lse,
             draw=self.draw_rows(batch.num_reqs) if self.two_phase else None,
+            kept=kept, level_fp16=self.ctx.dtype == torch.float16,
         )  # fmt: skip
 
     def draw_rows(self, num_reqs: int) -> torch.Tensor:
@@ -960,24 +1114,38 @@ class SampledVerifyPlan:
             )
         return got
 
+    def kept_sets(self) -> torch.Tensor:
+        """``topp`` plans: the int32 ``[num_logits, KEPT_WORDS]`` kept sets :meth:`finish` wrote
+        (:func:`shardmax.ops.topp.topp_kept_sets`), a workspace view."""
+        return self._view("topp.kept", (self.num_logits, topp_mod.KEPT_WORDS), torch.int32)
+
     def draw(
-        self, local_logits: torch.Tensor, batch: StepBatch, draw: torch.Tensor | None = None
+        self,
+        local_logits: torch.Tensor,
+        batch: StepBatch,
+        draw: torch.Tensor | None = None,
+        kept: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Phase 2 on this rank (two-phase plans, after :meth:`finish`): int64 ``[1, n]`` Gumbel
         keys of every request's drawing row over this rank's columns, ``n`` the same on every
-        rank. ``draw``: the finish's draw buffer (default this plan's own, :meth:`draw_rows`).
+        rank. ``draw``: the finish's draw buffer (default this plan's own, :meth:`draw_rows`);
+        ``kept`` (``topp`` plans): the finish's kept sets (default this plan's, :meth:`kept_sets`).
         Reads the row parameters :meth:`local` wrote. A workspace view, like :meth:`local`'s."""
         if not self.two_phase:
             raise ValueError("draw: this plan runs one pass (launch.phases == 1 or candidates)")
         logits = self.ctx.check_logits(local_logits, self.num_logits, self.row_stride)
-        return self._draw(logits, batch, draw)
+        return self._draw(logits, batch, draw, kept)
 
     def _draw(
-        self, local_logits: torch.Tensor, batch: StepBatch, draw: torch.Tensor | None
+        self,
+        local_logits: torch.Tensor,
+        batch: StepBatch,
+        draw: torch.Tensor | None,
+        kept: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ctx, reqs = self.ctx, batch.num_reqs
         launch = self.draw_launch(reqs)
-        ms = 1 + self.use_fp64_gumbel
+        ms = (1 + self.use_fp64_gumbel) * (2 if self.topp is not None else 1)
         keys = self._sliced(
             "sampled.keys", (MAX_DRAW_SPLITS * self.num_logits * ms,), torch.int64,
             launch.splits * reqs * ms,
@@ -986,6 +1154,7 @@ class SampledVerifyPlan:
         draw_keys(
             local_logits, ctx.vocab_start, ctx.num_valid, params,
             self.draw_rows(reqs) if draw is None else draw, launch, self.use_fp64_gumbel, keys,
+            (self.kept_sets() if kept is None else kept) if self.topp is not None else None,
         )  # fmt: skip
         return keys.view(1, -1)
 
@@ -998,6 +1167,7 @@ class SampledVerifyPlan:
         pick_tokens(
             gathered.contiguous(), self.draw_rows(reqs) if draw is None else draw,
             self.draw_launch(reqs).splits, self.use_fp64_gumbel, res, self._row_buffers()[2],
+            kept=self.topp is not None,
         )  # fmt: skip
         return res
 

@@ -88,6 +88,19 @@ def _check_buffer(
         )
 
 
+def _rank_major(records: torch.Tensor) -> bool:
+    """``[tp, rows, RECORD_WORDS]`` records with each rank's ``[rows, RECORD_WORDS]`` contiguous
+    and the ranks apart by at least that (a view into a larger exchange buffer is fine)."""
+    tp, rows, words = records.shape
+    if rows == 0 or tp == 0:
+        return True
+    return (
+        records.stride(2) == 1
+        and (rows == 1 or records.stride(1) == words)
+        and (tp == 1 or records.stride(0) >= rows * words)
+    )
+
+
 def _launch_local(
     local_logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -134,7 +147,7 @@ def _launch_replay(
     """``topp_replay``'s launch on checked arguments."""
     tp, rows = records.shape[:2]
     kernel(VariantKey("topp_replay", dtype=dtype_name).name)(
-        (rows,), records, temperature, top_p, sigma, kept, stat, rows, tp, tile0,
+        (rows,), records, temperature, top_p, sigma, kept, stat, rows, records.stride(0), tp, tile0,
         PIPELINE=int(pipeline), LEVELS=HIST_LEVELS,
         **({} if num_warps is None else {"num_warps": num_warps}),
     )  # fmt: skip
@@ -251,7 +264,8 @@ def topp_kept_sets(
 
     Args:
         records: int32 ``[tp, rows, RECORD_WORDS]`` -- every rank's :func:`topp_histograms`,
-            rank-major (``all_gather`` along dim 0).
+            rank-major (``all_gather`` along dim 0); each rank's records contiguous, the ranks
+            possibly further apart (a view of a larger gathered buffer).
         temperature / top_p: fp32 ``[rows]`` (``top_p >= 1``: no top-p, answered "no mask").
         sigma: fp32 ``[200]`` -- vLLM's ``_NORMAL_CDF_TO_SIGMA_TABLE`` (read by the monolithic
             pipeline only; :func:`shardmax.runtime.topp_tables.sigma_table`).
@@ -280,10 +294,10 @@ def topp_kept_sets(
     if not isinstance(records, torch.Tensor) or records.dim() != 3:
         raise ValueError("records: expected int32 [tp, rows, RECORD_WORDS]")
     tp, rows, words = records.shape
-    if records.dtype != torch.int32 or words != RECORD_WORDS or not records.is_contiguous():
+    if records.dtype != torch.int32 or words != RECORD_WORDS or not _rank_major(records):
         raise ValueError(
-            f"records: expected contiguous int32 [tp, rows, {RECORD_WORDS}], got "
-            f"{records.dtype} {tuple(records.shape)}"
+            f"records: expected int32 [tp, rows, {RECORD_WORDS}], each rank's records contiguous, "
+            f"got {records.dtype} {tuple(records.shape)} strides {records.stride()}"
         )
     if tp < 1:
         raise ValueError("records: no rank")
@@ -403,9 +417,9 @@ class ToppPlan:
         self, gathered: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's kept set and statistics (:func:`topp_kept_sets`; the plan's buffers)
-        from ``gathered`` int32 ``[tp, rows, RECORD_WORDS]`` contiguous (every rank's
-        :meth:`local`, rank-major)."""
-        if gathered.shape != (self.tp, self.rows, RECORD_WORDS):
+        from ``gathered`` int32 ``[tp, rows, RECORD_WORDS]`` (every rank's :meth:`local`,
+        rank-major; each rank's records contiguous)."""
+        if gathered.shape != (self.tp, self.rows, RECORD_WORDS) or not _rank_major(gathered):
             raise ValueError(
                 f"gathered: expected [{self.tp}, {self.rows}, {RECORD_WORDS}], got "
                 f"{list(gathered.shape)}"

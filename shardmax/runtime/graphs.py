@@ -217,11 +217,13 @@ class GraphedStep:
     @staticmethod
     def unsupported(plan: Any) -> str:
         """Why ``plan`` cannot be replayed from a graph ("" when it can): the plain path and
-        strict mode read the logits outside the INDIRECT kernels."""
+        strict mode and level-histogram top-p read the logits outside the INDIRECT kernels."""
         if getattr(plan, "plain", None) is not None:
             return "the plain path (full-logits gather) reads the logits with torch ops"
         if getattr(plan, "strict", None) is not None:
             return "strict mode reads the logits in its block-statistics kernels"
+        if getattr(plan, "topp", None) is not None:
+            return "level-histogram top-p reads the logits in its histogram kernels"
         if not hasattr(plan, "num_logits"):
             return f"{type(plan).__name__} is not a verification plan (run(local_logits, batch))"
         if not hasattr(plan, "run"):

@@ -22,6 +22,7 @@ from shardmax.ops.sampled import (
     record_variant,
     resolve_chunk_gate,
 )
+from shardmax.reference.nucleus_replay import PipelineConfig
 from shardmax.runtime.defaults import BUILTIN_PHASES
 from shardmax.runtime.dispatch import Selection
 from shardmax.runtime.validation import (
@@ -64,6 +65,7 @@ def emulate_verify(
     selection: Selection | None = None,
     phases: int = BUILTIN_PHASES,
     draw_splits: int | None = None,
+    topp: PipelineConfig | None = None,
 ) -> VerifyResult:
     """``sharded_verify`` of ``tp_size`` emulated ranks over ``full_logits [num_logits, V]``.
 
@@ -77,7 +79,9 @@ def emulate_verify(
     step runs every rank's draw stage on rank 0's draw rows and a second emulated exchange;
     ``draw_splits`` fixes its programs per request (default the built-in rule: 1 on a CPU).
     The finish variant follows ``tp_size * record_splits`` (``2/4/8`` unrolled, ``n``
-    otherwise).
+    otherwise). ``topp``: verify the step's top-p rows from level histograms with this vLLM
+    pipeline (:class:`~shardmax.ops.sampled.SampledVerifyPlan`'s ``topp``) instead of
+    candidates.
 
     Raises:
         TypeError / ValueError as :func:`shardmax.sharded_verify`, and for a ``selection`` or
@@ -91,7 +95,7 @@ def emulate_verify(
     full_logits = _check_full(full_logits)
     if selection is not None:
         check_record_selection(selection.variant, SUPPORTED_DTYPES[full_logits.dtype])
-        plain = top_k is None and top_p is None and min_p is None  # no candidates
+        plain = topp is not None or (top_k is None and top_p is None and min_p is None)
         launch = RecordLaunch.of(selection, two_phase=plain)
     else:
         variant = record_variant(full_logits.dtype, record_block or 2048)
@@ -116,7 +120,7 @@ def emulate_verify(
     if mode == "strict":
         processed = resolve_chunk_gate(batch, vocab, logits_processed, checks)
     shards, ctxs = emulated_ranks(full_logits, tp_size, pad_to)
-    with_candidates = top_k is not None or top_p is not None or min_p is not None
+    with_candidates = topp is None and (top_k is not None or top_p is not None or min_p is not None)
     plans = [
         SampledVerifyPlan(
             c,
@@ -128,6 +132,7 @@ def emulate_verify(
             processed=processed,
             launch=launch,
             draw_splits=draw_splits,
+            topp=topp,
         )
         for c, s in zip(ctxs, shards, strict=True)
     ]
@@ -138,5 +143,6 @@ def emulate_verify(
     if not plans[0].two_phase:
         return res
     draw = plans[0].draw_rows(batch.num_reqs)
-    keys = [p.draw(s.local_logits, batch, draw) for p, s in zip(plans, shards, strict=True)]
+    kept = plans[0].kept_sets() if topp is not None else None  # every rank computes the same
+    keys = [p.draw(s.local_logits, batch, draw, kept) for p, s in zip(plans, shards, strict=True)]
     return plans[0].pick(emulated_exchange(keys), res)
