@@ -477,6 +477,49 @@ def test_top_p_step_is_sharded_and_resolved_per_request(vllm_config, rows, monke
     assert not bad
 
 
+_TOPP_PARAMS = [  # top-p is the step's only truncation: the level-histogram path
+    {"temperature": 1.0, "top_p": 0.95},
+    {"temperature": 0.8, "top_p": 0.5},
+    {"temperature": 0.0},
+    {"temperature": 1.0, "top_p": 0.8},
+]
+
+
+@pytest.mark.parametrize("rows", ["peaked", "flat"])
+def test_top_p_only_step_is_verified_from_level_histograms(vllm_config, rows, monkeypatch):
+    """A step whose only truncation is top-p takes the level-histogram path
+    (``SHARDMAX_VLLM_TOPP`` unset: ``histogram``; vLLM's CPU pipeline, the monolithic kernel
+    with 256-wide tiles, replayed on every rank), flagged requests are resolved per request, and
+    the step's outputs == vLLM's own ``sample``; ``SHARDMAX_VLLM_TOPP=candidates`` takes the
+    candidate path for the same step, with the same outputs."""
+    params = [
+        SamplingParams(seed=3000 + i, max_tokens=16, **kw) for i, kw in enumerate(_TOPP_PARAMS)
+    ]
+    monkeypatch.setenv(step.ENV_NUCLEUS, "1")
+    outs = []
+    for path in ("histogram", "candidates"):
+        monkeypatch.setenv(step.ENV_TOPP, path)
+        smv.reset_stats()
+        s = Step(vllm_config, params=params, seed=9)
+        if rows == "flat":
+            s.hidden = s.hidden * 0.05
+        s.model.weight = s.model.weight.to(torch.bfloat16)  # level histograms key bf16 logits
+        s.hidden = s.hidden.to(torch.bfloat16)
+        with _interpreter_loop_tensors_or_null():
+            native = s.native()
+        ours = s.plugin()
+        st = smv.stats()
+        key = "topp_histogram_steps" if path == "histogram" else "nucleus_candidate_steps"
+        assert st[key] == 1 and st["sharded_sampled_verify"] == 1, st
+        assert st["native_verify"] == 0 and st["sampled_fallback_reruns"] == 0, st
+        bad = _same(native, ours)
+        print(f"[surface] {VERSION} top-p only {rows} {path}: num_sampled {native[1].tolist()}, "
+              f"resolved {st['resolved_requests']} ({st['resolved_reasons']}); mismatches {bad}")  # fmt: skip
+        assert not bad
+        outs.append(ours)
+    assert not _same(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("env", ["default", "resolve-off"])
 def test_top_p_steps_stay_on_vllms_path_unless_routed(vllm_config, monkeypatch, env):
     """By default (``SHARDMAX_VLLM_NUCLEUS`` unset), and with ``SHARDMAX_VLLM_RESOLVE=0`` even

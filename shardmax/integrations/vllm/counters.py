@@ -58,6 +58,8 @@ COUNTER_KEYS = (
     "resolved_steps",
     "resolved_requests",
     "resolved_rows",
+    "topp_histogram_steps",
+    "nucleus_candidate_steps",
     "native_verify",
     "plain_sample",
 )
