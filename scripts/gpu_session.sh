@@ -43,11 +43,14 @@
 #   bash scripts/gpu_session.sh Q   one H200: top-p steps verified from level histograms against
 #                                   every carried vLLM chain (twice, bit-compared), their flags and
 #                                   bytes (benchmarks/flags.py) and the engine-faithful loop
+#   bash scripts/gpu_session.sh R   one H200: one top-p step as the plug-in calls it at TP 2/4/8
+#                                   (emulated) against vLLM's path (benchmarks/topp_step.py),
+#                                   then the histogram path's flags and bytes on 20 steps
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A-Q}
+STAGE=${1:?stage A-R}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -308,6 +311,21 @@ Q)
   timeout "$(left 580)" python3 -m benchmarks.engine --mixes top_p --rows "${ENGINE_ROWS:-32,160}" \
     --steps "${ENGINE_STEPS:-60}" --out "$OUT/engine_topp" >"$OUT/engine_Q.log" 2>&1
   echo "  rc=$?"; grep -E "^top_p " "$OUT/engine_Q.log"
+  ;;
+R)
+  # one top-p step as the plug-in calls it at TP > 1 (emulated in-process) against vLLM's path,
+  # then the histogram path's flags and bytes on more steps; results tarred in one file
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "top-p step: plug-in call vs vLLM (emulated TP)"
+  timeout "$(left 330)" python3 -m benchmarks.topp_step --steps "${STEP_STEPS:-3}" \
+    --calls "${STEP_CALLS:-10}" --out "$OUT/topp_step" >"$OUT/topp_step_R.log" 2>&1
+  echo "  rc=$?"; grep -E "^V=|Error" "$OUT/topp_step_R.log" | tail -40
+  stamp "flags and bytes, histogram path"
+  timeout "$(left 560)" python3 -m benchmarks.flags --paths histogram --seeds "${FLAG_SEEDS:-20}" \
+    --out "$OUT/flags_hist" >"$OUT/flags_R.log" 2>&1
+  echo "  rc=$?"; tail -n 16 "$OUT/flags_R.log"
+  tar -czf "$OUT/R.tar.gz" -C "$OUT" topp_step flags_hist 2>/dev/null
+  rm -rf "$OUT/topp_step" "$OUT/flags_hist"
   ;;
 P)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
