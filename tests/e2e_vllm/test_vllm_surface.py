@@ -520,6 +520,37 @@ def test_top_p_only_step_is_verified_from_level_histograms(vllm_config, rows, mo
     assert not _same(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_top_p_only_steps_are_routed_by_default_on_bf16(vllm_config, monkeypatch, dtype):
+    """``SHARDMAX_VLLM_NUCLEUS`` unset (``auto``): a bf16 step whose only truncation is top-p takes
+    the level-histogram path, == vLLM's own ``sample``; an fp32 one (no level histograms) and a
+    step with top-k / min-p requests stay on vLLM's path."""
+    monkeypatch.delenv(step.ENV_NUCLEUS, raising=False)
+    params = [
+        SamplingParams(seed=3000 + i, max_tokens=16, **kw) for i, kw in enumerate(_TOPP_PARAMS)
+    ]
+    s = Step(vllm_config, params=params, seed=9)
+    s.runner.dtype = dtype
+    s.model.weight = s.model.weight.to(dtype)
+    s.hidden = s.hidden.to(dtype)
+    with _interpreter_loop_tensors_or_null():
+        native = s.native()
+        ours = s.plugin()  # fp32: vLLM's own sample, whose top-p kernel needs the wrapper here
+    st = smv.stats()
+    if dtype == torch.float32:
+        assert st["native_verify"] == 1 and st["sharded_sampled_verify"] == 0, st
+        return
+    assert st["topp_histogram_steps"] == 1 and st["native_verify"] == 0, st
+    assert not _same(native, ours)
+    mixed = Step(vllm_config, params=[SamplingParams(seed=7, max_tokens=16, **kw)
+                                      for kw in _NUCLEUS_PARAMS], seed=5)  # fmt: skip
+    mixed.runner.dtype = dtype
+    smv.reset_stats()
+    with _interpreter_loop_tensors_or_null():
+        mixed.plugin()
+    assert smv.stats()["native_verify"] == 1, smv.stats()
+
+
 @pytest.mark.parametrize("env", ["default", "resolve-off"])
 def test_top_p_steps_stay_on_vllms_path_unless_routed(vllm_config, monkeypatch, env):
     """By default (``SHARDMAX_VLLM_NUCLEUS`` unset), and with ``SHARDMAX_VLLM_RESOLVE=0`` even

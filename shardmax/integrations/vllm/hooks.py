@@ -232,9 +232,10 @@ def maybe_verify_sharded(
     * Some request sampled (temperature > 0), sampled routing on at this TP size
       (:func:`~shardmax.integrations.vllm.step.sampled_routing`: by default at TP > 1 only --
       at TP 1 there is nothing to gather and vLLM's chain is faster) and
-      ``step_decision(allow_temperature=True,
-      allow_nucleus=<SHARDMAX_VLLM_NUCLEUS=1 and a resolver loads>)`` allows it (temperature
-      rows; with ``SHARDMAX_VLLM_NUCLEUS=1`` also top-k, top-p, min-p rows):
+      ``step_decision(allow_temperature=True, allow_nucleus=<nucleus_routing(runner,
+      input_batch) and a resolver loads>)`` allows it (temperature rows; by default also the
+      top-p rows of a bf16 / fp16 step whose only truncation is top-p -- the level-histogram
+      path --, with ``SHARDMAX_VLLM_NUCLEUS=1`` every top-k, top-p, min-p row):
       :func:`~shardmax.integrations.vllm.step.verify_sampled`. Exactness rule: every request
       that comes back with ``fallback`` set (NaN / inf rows, a nucleus wider than the candidates,
       a boundary tie, an LSE at the margin, ...) is resolved from its own gathered rows by vLLM's
@@ -274,7 +275,7 @@ def maybe_verify_sharded(
             )
             counters.fallback("native_verify", reason)
             return native(runner, hidden_states, input_batch, grammar_output)
-        nucleus = step.nucleus_routing() and step.resolver() is not None
+        nucleus = step.nucleus_routing(runner, input_batch) and step.resolver() is not None
         decision = gate.step_decision(
             runner, input_batch, grammar_output, allow_temperature=True, allow_nucleus=nucleus
         )

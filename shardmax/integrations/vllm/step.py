@@ -35,6 +35,7 @@ __all__ = [
     "ENV_SAMPLED",
     "ENV_SAMPLED_MODE",
     "ENV_TOPP",
+    "NUCLEUS_ROUTING",
     "SAMPLED_MODES",
     "TOPP_PATHS",
     "SampledResult",
@@ -382,15 +383,44 @@ def resolution_enabled() -> bool:
     return os.environ.get(ENV_RESOLVE, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def nucleus_routing() -> bool:
-    """Whether top-k / top-p / min-p steps take the sharded path (``$SHARDMAX_VLLM_NUCLEUS=1``;
-    default off). Off by measured cost: on one H200 (engine loop, V = 200064, T = 1 / top-p
-    0.95, 32-512 rows) the resolving call -- the flag read, then vLLM's own kernels on the
-    flagged requests' rows -- took 2.5-4.2 ms of host time against 0.47-0.81 ms for vLLM's whole
-    chain, while the all-gather it saves at TP 2 is about 0.1 ms at 96 rows (README "Known
-    limits").
-    Needs a resolver (:func:`resolver`)."""
-    return os.environ.get(ENV_NUCLEUS, "0").strip().lower() in ("1", "true", "on", "yes")
+NUCLEUS_ROUTING = ("auto", "1", "0")
+
+
+def nucleus_routing(runner: Any = None, input_batch: Any = None) -> bool:
+    """Whether a step with top-k / top-p / min-p requests takes the sharded path:
+    ``$SHARDMAX_VLLM_NUCLEUS`` = ``auto`` (default), ``1`` (every such step) or ``0`` (none).
+    Needs a resolver (:func:`resolver`; the caller checks).
+
+    ``auto`` routes the steps whose only truncation is top-p (:func:`topp_only`), of a bf16 /
+    fp16 model (``runner.dtype`` or ``runner.model_config.dtype``), while
+    ``$SHARDMAX_VLLM_TOPP`` is ``histogram``: the level-histogram path. By measured cost (one
+    H200, ``benchmarks/results/sm90/topp_step``: one rank's plug-in call at TP 2 / 4 / 8, the
+    other ranks' bytes replayed, against an HBM copy standing in for the full-logits all-gather
+    plus vLLM 0.33's chain): 1.2-2x faster on steps with no flagged request, 0.6x on a step that
+    resolves one (vLLM's own chain on its rows), 1.0-1.3x averaged over realistic steps -- and
+    the real NVLink all-gather costs more than the stand-in. Top-k and min-p steps (the candidate
+    path: 0.35-0.55x, a fifth of the requests resolved) stay on vLLM's path unless ``1``.
+
+    Raises:
+        ValueError: any other value (named, with the accepted ones).
+    """
+    raw = os.environ.get(ENV_NUCLEUS, "auto").strip().lower() or "auto"
+    if raw in ("true", "on", "yes"):
+        raw = "1"
+    if raw in ("false", "off", "no"):
+        raw = "0"
+    if raw not in NUCLEUS_ROUTING:
+        raise ValueError(
+            f"{ENV_NUCLEUS}={os.environ.get(ENV_NUCLEUS)!r}: expected one of {NUCLEUS_ROUTING}"
+        )
+    if raw != "auto":
+        return raw == "1"
+    if runner is None or input_batch is None or topp_path() != "histogram":
+        return False
+    dtype = getattr(runner, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        dtype = getattr(getattr(runner, "model_config", None), "dtype", None)
+    return dtype in (torch.bfloat16, torch.float16) and topp_only(runner, input_batch)
 
 
 ENV_TOPP = "SHARDMAX_VLLM_TOPP"
