@@ -207,6 +207,34 @@ def run_case(vocab: int, tp: int, reqs: int, steps: int, calls: int, chain: Any)
     return rows
 
 
+def _profile(vocab: int, tp: int, reqs: int, steps: int, chain: Any) -> None:
+    import cProfile
+    import pstats
+
+    from shardmax.testing.traffic import realistic_batch
+    from shardmax.testing.vllm_chain import verify_inputs
+
+    for step in range(steps):
+        b = realistic_batch(reqs, K, vocab, seed=4000 + step, mix="top_p", device="cuda")
+        kw = verify_inputs(b)
+        kw["checks"] = False
+        call = _paths(b, tp, chain, kw)["shardmax-hist"]
+        if call()[1] == 0:
+            continue
+        call()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+        prof.disable()
+        print(f"== V={vocab} TP{tp} {reqs * (K + 1)} rows, step {step}: 20 calls")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
+        return
+    print(f"== V={vocab} TP{tp} {reqs * (K + 1)} rows: no step resolved a request")
+
+
 def summary(rows: list[dict]) -> str:
     lines = [
         "# One top-p step as the plug-in calls it (eager) vs vLLM's path, emulated TP", "",
@@ -255,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="only print where the host time of the histogram path's call goes on the first "
+        "step that resolves a request (cProfile, 20 calls), per case",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.topp_step: needs a GPU", file=sys.stderr)
@@ -271,12 +305,17 @@ def main(argv: list[str] | None = None) -> int:
     for vocab in (int(v) for v in args.vocab.split(",")):
         for reqs in (int(r) for r in args.reqs.split(",")):
             for tp in (int(t) for t in args.tp.split(",")):
+                if args.profile:
+                    _profile(vocab, tp, reqs, args.steps, chain)
+                    continue
                 for r in run_case(vocab, tp, reqs, args.steps, args.calls, chain):
                     print(f"V={vocab} TP{tp} rows={r['rows']:4} {r['path']:14} host "
                           f"{r['host_us']:7.0f} us  latency {r['latency_us']:7.0f} us  "
                           f"({r['speedup_latency_vs_vllm']:.2f}x vLLM)  flagged "
                           f"{r['flagged_req_pct']:5.1f} %  mismatch {r['mismatch']}", flush=True)  # fmt: skip
                     rows.append(r)
+    if args.profile:
+        return 0
     out = args.out or Path("benchmarks/results") / (detect_arch() or "unknown") / "topp_step"
     out.mkdir(parents=True, exist_ok=True)
     with (out / "topp_step.csv").open("w", newline="") as f:

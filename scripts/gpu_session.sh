@@ -46,11 +46,12 @@
 #   bash scripts/gpu_session.sh R   one H200: one top-p step as the plug-in calls it at TP 2/4/8
 #                                   (emulated) against vLLM's path (benchmarks/topp_step.py),
 #                                   then the histogram path's flags and bytes on 20 steps
+#   bash scripts/gpu_session.sh S   stage R's step benchmark alone, more steps per case
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A-R}
+STAGE=${1:?stage A-S}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -326,6 +327,17 @@ R)
   echo "  rc=$?"; tail -n 16 "$OUT/flags_R.log"
   tar -czf "$OUT/R.tar.gz" -C "$OUT" topp_step flags_hist 2>/dev/null
   rm -rf "$OUT/topp_step" "$OUT/flags_hist"
+  ;;
+S)
+  # stage R's step benchmark alone, on more steps per case (STEP_TP, STEP_STEPS, STEP_CALLS)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "top-p step: plug-in call vs vLLM (emulated TP)"
+  timeout "$(left 540)" python3 -m benchmarks.topp_step --tp "${STEP_TP:-2,8}" \
+    --steps "${STEP_STEPS:-12}" --calls "${STEP_CALLS:-6}" --out "$OUT/topp_step" \
+    >"$OUT/topp_step_S.log" 2>&1
+  echo "  rc=$?"; grep -E "^V=|Error" "$OUT/topp_step_S.log" | tail -40
+  tar -czf "$OUT/S.tar.gz" -C "$OUT" topp_step 2>/dev/null
+  rm -rf "$OUT/topp_step"
   ;;
 P)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels

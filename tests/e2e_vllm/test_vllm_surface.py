@@ -521,11 +521,11 @@ def test_top_p_only_step_is_verified_from_level_histograms(vllm_config, rows, mo
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_top_p_only_steps_are_routed_by_default_on_bf16(vllm_config, monkeypatch, dtype):
-    """``SHARDMAX_VLLM_NUCLEUS`` unset (``auto``): a bf16 step whose only truncation is top-p takes
-    the level-histogram path, == vLLM's own ``sample``; an fp32 one (no level histograms) and a
-    step with top-k / min-p requests stay on vLLM's path."""
-    monkeypatch.delenv(step.ENV_NUCLEUS, raising=False)
+def test_top_p_only_steps_are_routed_with_auto_on_bf16(vllm_config, monkeypatch, dtype):
+    """``SHARDMAX_VLLM_NUCLEUS=auto``: a bf16 step whose only truncation is top-p takes the
+    level-histogram path, == vLLM's own ``sample``; an fp32 one (no level histograms) and a step
+    with top-k / min-p requests stay on vLLM's path."""
+    monkeypatch.setenv(step.ENV_NUCLEUS, "auto")
     params = [
         SamplingParams(seed=3000 + i, max_tokens=16, **kw) for i, kw in enumerate(_TOPP_PARAMS)
     ]

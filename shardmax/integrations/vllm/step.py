@@ -388,23 +388,25 @@ NUCLEUS_ROUTING = ("auto", "1", "0")
 
 def nucleus_routing(runner: Any = None, input_batch: Any = None) -> bool:
     """Whether a step with top-k / top-p / min-p requests takes the sharded path:
-    ``$SHARDMAX_VLLM_NUCLEUS`` = ``auto`` (default), ``1`` (every such step) or ``0`` (none).
-    Needs a resolver (:func:`resolver`; the caller checks).
+    ``$SHARDMAX_VLLM_NUCLEUS`` = ``0`` (default: none), ``auto`` (the steps whose only truncation
+    is top-p, :func:`topp_only`, of a bf16 / fp16 model -- ``runner.dtype`` or
+    ``runner.model_config.dtype`` -- while ``$SHARDMAX_VLLM_TOPP`` is ``histogram``: the
+    level-histogram path) or ``1`` (every such step). Needs a resolver (:func:`resolver`; the
+    caller checks).
 
-    ``auto`` routes the steps whose only truncation is top-p (:func:`topp_only`), of a bf16 /
-    fp16 model (``runner.dtype`` or ``runner.model_config.dtype``), while
-    ``$SHARDMAX_VLLM_TOPP`` is ``histogram``: the level-histogram path. By measured cost (one
-    H200, ``benchmarks/results/sm90/topp_step``: one rank's plug-in call at TP 2 / 4 / 8, the
-    other ranks' bytes replayed, against an HBM copy standing in for the full-logits all-gather
-    plus vLLM 0.33's chain): 1.2-2x faster on steps with no flagged request, 0.6x on a step that
-    resolves one (vLLM's own chain on its rows), 1.0-1.3x averaged over realistic steps -- and
-    the real NVLink all-gather costs more than the stand-in. Top-k and min-p steps (the candidate
-    path: 0.35-0.55x, a fifth of the requests resolved) stay on vLLM's path unless ``1``.
+    Off by default by measured cost (one H200, ``benchmarks/results/sm90/topp_step``: one rank's
+    eager plug-in call at TP 2 / 8, the other ranks' bytes replayed, against an HBM copy standing
+    in for the full-logits all-gather plus vLLM 0.33's chain, 12 realistic T = 1 / top-p 0.95
+    steps per case): the histogram path took 0.61-1.13x vLLM's latency on average -- about 0.55 ms
+    on a step with no flagged request (faster than vLLM's 0.6-1.1 ms), but 40-60 % of the steps
+    resolve a request (vLLM's own chain on its rows, ~1.5 ms more) and every call pays ~50 us of
+    Python launch overhead per Triton launch; the candidate path (top-k / min-p steps too) took
+    0.37-0.59x.
 
     Raises:
         ValueError: any other value (named, with the accepted ones).
     """
-    raw = os.environ.get(ENV_NUCLEUS, "auto").strip().lower() or "auto"
+    raw = os.environ.get(ENV_NUCLEUS, "0").strip().lower() or "0"
     if raw in ("true", "on", "yes"):
         raw = "1"
     if raw in ("false", "off", "no"):
