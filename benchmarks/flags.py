@@ -39,7 +39,7 @@ import torch
 FIELDS = [
     "vocab", "tp", "rows", "reqs_per_step", "steps", "path", "mode", "candidates",
     "flagged_req_pct", "flagged_rows_pct", "steps_flagged_pct", "record_bytes_per_rank",
-    "wire_pct_of_allgather", "reasons", "oracle_requests", "oracle_mismatch",
+    "wire_pct_of_allgather", "reasons", "replay_reasons", "oracle_requests", "oracle_mismatch",
 ]  # fmt: skip
 WIRE_TARGET_PCT = 5.0
 """Issue 18: bytes crossing ranks <= 5 % of the full-logits all-gather."""
@@ -115,6 +115,7 @@ def run_case(
                 "wire_pct_of_allgather": 100.0 * (rec + gathered) / full,
                 "reasons": json.dumps(dict(st["why"].most_common()), sort_keys=False),
                 "steps_flagged_pct": 100.0 * st["steps"] / seeds,
+                "replay_reasons": "",
                 "oracle_requests": "",
                 "oracle_mismatch": "",
             }
@@ -140,11 +141,12 @@ def run_hist_case(
 ) -> dict:
     """The histogram path on ``seeds`` realistic top-p steps: flags, bytes, and (with ``chain``)
     unflagged requests that differ from vLLM 0.33's chain on the full logits."""
+    from benchmarks.topp_step import _record
     from shardmax.ops.resolve import flagged_requests, request_rows
     from shardmax.ops.sampled import FallbackReason, SampledVerifyPlan
-    from shardmax.reference.nucleus_replay import pipeline_for
+    from shardmax.reference.nucleus_replay import ReplayReason, pipeline_for
+    from shardmax.runtime.validation import check_step_batch
     from shardmax.testing.emulate import _stride, emulated_ranks
-    from shardmax.testing.emulate_sampled import emulate_verify
     from shardmax.testing.traffic import realistic_batch
     from shardmax.testing.vllm_chain import verify_inputs
 
@@ -153,18 +155,31 @@ def run_hist_case(
     config = pipeline_for(rows, "cuda", "0.33")
     flagged = flagged_rows = steps_flagged = compared = mismatch = 0
     why: Counter[str] = Counter()
+    replay_why: Counter[str] = Counter()
     words = 0
     for seed in range(seeds):
         b = realistic_batch(reqs, 3, vocab, seed=1000 + seed, mix="top_p", device=device)
+        shards, ctxs = emulated_ranks(b.logits, tp, None)
+        plans = [
+            SampledVerifyPlan(c, rows, _stride(shards[0].local_logits), topp=config) for c in ctxs
+        ]
         if not words:
-            shards, ctxs = emulated_ranks(b.logits, tp, None)
-            plan = SampledVerifyPlan(ctxs[0], rows, _stride(shards[0].local_logits), topp=config)
-            ms = 2 * (1 + plan.use_fp64_gumbel)
-            words = plan.n_words + plan.draw_launch(reqs).splits * reqs * ms
-        res = emulate_verify(
-            b.logits, tp, *b.sampled_args(), top_p=b.top_p, topp=config,
+            ms = 2 * (1 + plans[0].use_fp64_gumbel)
+            words = plans[0].n_words + plans[0].draw_launch(reqs).splits * reqs * ms
+        batch = check_step_batch(
+            rows, b.logits.device, b.draft_sampled, b.cu_num_logits, b.pos, b.idx_mapping,
+            b.expanded_local_pos, b.seed, 3, None, None, None, temperature=b.temperature,
+            top_p=b.top_p,
         )  # fmt: skip
+        cu_np = b.cu_num_logits.cpu().numpy()
+        _, res = _record(shards, plans, batch, cu_np, True)  # every rank's stages, no resolution
+        kept = plans[0].kept_sets()[:, 0].cpu().numpy()
         req, codes = flagged_requests(res)
+        for r, c in zip(req.tolist(), codes.tolist(), strict=True):
+            if c == FallbackReason.TOPP_NOT_CERTIFIED:  # the first uncertified row's replay reason
+                uncert = [int(x) for x in kept[cu_np[r] : cu_np[r + 1]] if x != 0]
+                first = uncert[0] if uncert else -1
+                replay_why[ReplayReason(first).name if 0 < first < 7 else str(first)] += 1
         flagged += int(req.size)
         flagged_rows += int(request_rows(b.cu_num_logits.cpu().numpy(), req).size)
         steps_flagged += int(req.size > 0)
@@ -188,6 +203,7 @@ def run_hist_case(
         "record_bytes_per_rank": rec,
         "wire_pct_of_allgather": 100.0 * (rec + gathered) / full,
         "reasons": json.dumps(dict(why.most_common()), sort_keys=False),
+        "replay_reasons": json.dumps(dict(replay_why.most_common()), sort_keys=False),
         "oracle_requests": compared if chain is not None else "",
         "oracle_mismatch": mismatch if chain is not None else "",
     }  # fmt: skip
@@ -234,8 +250,8 @@ def summary(rows: list[dict]) -> str:
     lines = [
         "# Flags and bytes on realistic T = 1 / top-p 0.95 traffic (issue 18)", "",
         "| V | TP | rows | path | mode | C | requests flagged | steps with a flag | rows gathered "
-        "| record B / rank | bytes vs all-gather | unflagged != vLLM 0.33 | reasons |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| record B / rank | bytes vs all-gather | unflagged != vLLM 0.33 | reasons | replay reasons |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:
         oracle = (
@@ -248,7 +264,7 @@ def summary(rows: list[dict]) -> str:
             f"{r['candidates'] or '-'} | {r['flagged_req_pct']:.1f} % | "
             f"{r['steps_flagged_pct']:.0f} % | {r['flagged_rows_pct']:.1f} % | "
             f"{r['record_bytes_per_rank']} | {r['wire_pct_of_allgather']:.1f} % | {oracle} | "
-            f"{r['reasons']} |"
+            f"{r['reasons']} | {r['replay_reasons'] or '-'} |"
         )
     ok = [r for r in rows if r["wire_pct_of_allgather"] <= WIRE_TARGET_PCT]
     lines += [
