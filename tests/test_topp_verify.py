@@ -67,10 +67,16 @@ def _batch(vocab: int, dtype: torch.dtype, seed: int, hot: bool, device: str = "
     return b
 
 
+def _row_slots(b) -> torch.Tensor:
+    """The request-state slot of every logits row (rows per request from ``cu_num_logits``)."""
+    lens = torch.diff(b.cu_num_logits.cpu().long())
+    return torch.repeat_interleave(b.idx_mapping.cpu().long(), lens)
+
+
 def _oracle(b, config: PipelineConfig, fp64: bool = False) -> list[tuple[torch.Tensor, ...]]:
     """The reference outputs on the masked rows, with the fewest and the most boundary ties."""
     x = b.logits.detach().cpu()
-    slots = torch.repeat_interleave(b.idx_mapping.cpu().long(), 4)
+    slots = _row_slots(b)
     temps = b.temperature.cpu()[slots]
     tops = b.top_p.cpu()[slots]
     masks: list[list[torch.Tensor]] = [[], []]
@@ -106,7 +112,7 @@ def _oracle(b, config: PipelineConfig, fp64: bool = False) -> list[tuple[torch.T
 def _masking_matters(b, outs) -> int:
     """Requests whose reference answer changes when the rows are not masked (the case's power)."""
     x = b.logits.detach().cpu().float()
-    slots = torch.repeat_interleave(b.idx_mapping.cpu().long(), 4)
+    slots = _row_slots(b)
     t = b.temperature.cpu()[slots]
     proc = torch.where(t[:, None] == 1.0, x, x / torch.where(t > 0, t, 1.0)[:, None])
     unit = torch.where(b.temperature.cpu() > 0, 1.0, 0.0)
@@ -155,6 +161,36 @@ def test_unflagged_requests_equal_the_reference_on_the_kept_set(tp, dtype, pipel
         assert res.reason[5] == FallbackReason.NON_FINITE
     assert not bool(res.fallback[3])  # no top-p: nothing to certify
     assert not bool(res.fallback[2])  # the greedy request never needs the kept set
+
+
+@pytest.mark.parametrize(("k", "lens"), [(1, [1, 2, 2, 1, 2]), (5, [6, 1, 3, 6, 2])])
+def test_requests_of_every_length_and_placeholder_drafts(k, lens):
+    """K = 1 / 5, requests with fewer drafts (a bonus row alone), -1 placeholder drafts, mixed
+    temperatures and top-p per request: unflagged requests == the reference."""
+    gen = torch.Generator().manual_seed(k)
+    b = realistic_batch(len(lens), k, 1500, seed=20 + k, draft_top_prob=0.7, profile=HOT)
+    rows = sum(lens)
+    b.logits = b.logits[:rows].contiguous()
+    cu = torch.cumsum(torch.tensor([0, *lens]), 0)
+    b.cu_num_logits = cu.to(torch.int32)
+    b.expanded_local_pos = torch.cat([torch.arange(n) for n in lens]).to(torch.int32)
+    b.pos = torch.cat([torch.randint(0, 10**5, (1,), generator=gen) + torch.arange(n)
+                       for n in lens]).long()  # fmt: skip
+    top = b.logits.float().argmax(1).to(torch.int32)
+    d = torch.randint(0, 1500, (rows,), generator=gen, dtype=torch.int32)
+    for r, n in enumerate(lens):
+        for i in range(n - 1):
+            row = int(cu[r]) + i
+            d[row + 1] = top[row] if (row % 3) else -1 if (row % 5 == 0) else d[row + 1]
+    b.draft_sampled = d
+    for j, s in enumerate(b.idx_mapping.long().tolist()):
+        b.temperature[s] = (1.0, 0.7, 0.0, 1.3)[j % 4]
+        b.top_p[s] = (0.9, 0.5, 0.3, 1.0, 0.6)[j % 5]
+    for pipeline in (Pipeline.SPLIT, Pipeline.MONOLITHIC):
+        config = PipelineConfig(pipeline, 256)
+        res = _run(b, 2, config)
+        assert res.sampled.shape == (len(lens), k + 1)
+        _check(res, _oracle(b, config))
 
 
 def test_fp64_gumbel_draws_over_the_kept_set():
