@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job (README): generator + tuner + dispatcher on the detected hardware.
 #  - every machine: render templates -> generated/ and AOT-compile every variant for sm90 and
-#    gfx950; the demo (argmax, greedy and sampled verification steps and the top-p kept sets of a
-#    few rows at V=200064, TP4, ids checked against torch.argmax / the references, bytes on the
+#    gfx950; the demo (argmax, greedy and sampled verification steps, the top-p kept sets of a
+#    few rows and a top-p step over them at V=200064, TP4, ids checked against torch.argmax / the references, bytes on the
 #    wire).
 #  - a GPU: the tuner's quick sweep for this GPU's arch (writes generated/<arch>/*.json + .png;
 #    with 2+ GPUs also the transport/plain sweep over NCCL), then the quick benchmark.
@@ -17,7 +17,7 @@ NGPU=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is
 echo "== generator: templates/ -> generated/, AOT compile for sm90 and gfx950"
 python -m generator --arch all
 
-echo "== demo: vocab-parallel argmax, verification steps, top-p kept sets (every TP rank emulated)"
+echo "== demo: vocab-parallel argmax, verification steps, top-p kept sets and a top-p step (every TP rank emulated)"
 python -m shardmax.demo
 
 if [ "$NGPU" -ge 1 ]; then

@@ -20,14 +20,11 @@ from shardmax.ops.sampled import FallbackReason, SampledVerifyPlan
 from shardmax.reference.nucleus_replay import (
     Pipeline,
     PipelineConfig,
-    ReplayReason,
-    kept_masks,
-    level_histogram,
-    replay,
 )
 from shardmax.reference.sampled import verify_sampled
 from shardmax.runtime.topp_tables import set_sigma_table
 from shardmax.testing.emulate_sampled import emulate_verify
+from shardmax.testing.topp_replay import kept_set_reference
 from shardmax.testing.traffic import EntropyProfile, realistic_batch
 
 SIGMA = torch.special.ndtri((torch.arange(200, dtype=torch.float64) + 0.5) / 200).float()
@@ -75,38 +72,7 @@ def _row_slots(b) -> torch.Tensor:
 
 def _oracle(b, config: PipelineConfig, fp64: bool = False) -> list[tuple[torch.Tensor, ...]]:
     """The reference outputs on the masked rows, with the fewest and the most boundary ties."""
-    x = b.logits.detach().cpu()
-    slots = _row_slots(b)
-    temps = b.temperature.cpu()[slots]
-    tops = b.top_p.cpu()[slots]
-    masks: list[list[torch.Tensor]] = [[], []]
-    for r in range(x.shape[0]):
-        t, p = float(temps[r]), float(tops[r])
-        full = torch.ones(x.shape[1], dtype=torch.bool)
-        got = [full, full]
-        row = x[r].float()
-        if t > 0 and p < 1 and bool(torch.isfinite(row).any()) and not bool(row.isnan().any()):
-            h = level_histogram(x[r], t, tile0=config.tile0)
-            kept = replay(h, p, config, SIGMA.tolist())
-            if kept.reason == ReplayReason.OK:  # else: the kernel must flag a row it uses
-                ms = kept_masks(x[r], kept, h.top_key)
-                got = [ms[0], ms[-1]]
-        masks[0].append(got[0])
-        masks[1].append(got[1])
-    proc = x.float() / torch.where(temps > 0, temps, 1.0)[:, None]
-    proc = torch.where(temps[:, None] == 1.0, x.float(), proc)
-    unit = torch.where(b.temperature.cpu() > 0, 1.0, 0.0)
-    outs = []
-    for m in masks:
-        masked = torch.where(torch.stack(m), proc, float("-inf"))
-        masked = torch.where(torch.isnan(proc), proc, masked)
-        out = verify_sampled(
-            masked, b.draft_sampled.cpu(), b.cu_num_logits.cpu(), b.pos.cpu(),
-            b.idx_mapping.cpu(), b.expanded_local_pos.cpu(), unit, b.seed.cpu(),
-            b.num_speculative_steps, use_fp64_gumbel=fp64,
-        )  # fmt: skip
-        outs.append(out)
-    return outs
+    return kept_set_reference(b, config, SIGMA.tolist(), use_fp64_gumbel=fp64)
 
 
 def _masking_matters(b, outs) -> int:

@@ -35,6 +35,7 @@ from shardmax.reference.nucleus_replay import (
     PipelineConfig,
     ReplayReason,
     kept_masks,
+    level_histogram,
     level_keys,
     replay,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "KERNEL_NONFINITE",
     "ReplayedStep",
     "RowReplay",
+    "kept_set_reference",
     "kept_set_violation",
     "kernel_row",
     "replay_rows",
@@ -299,3 +301,58 @@ def kernel_row(words: list[int]) -> tuple[int, ...]:
     if words[1]:
         return (0, 1) if words[9] == -1 else (0, 1, words[9])
     return tuple(words[:8])
+
+
+def kept_set_reference(
+    batch: Any,
+    config: PipelineConfig,
+    sigma_table: list[float] | None = None,
+    *,
+    use_fp64_gumbel: bool = False,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """vLLM's answer for a top-p step, from the plain-torch replay: per row the kept set
+    (:func:`replay` on the full row's :func:`level_histogram`), the processed row masked to it
+    with the fewest and with the most boundary ties kept (:func:`kept_masks`), and
+    :func:`verify_sampled` on each -- ``[(sampled, num_sampled, num_rejected)] * 2``, on the CPU.
+
+    A request the sharded step does not flag must equal both (its outcome cannot depend on which
+    ties vLLM keeps). Rows without top-p (``T == 0``, ``top_p >= 1``), with NaN or without a
+    finite value, or whose kept set is not certified are left unmasked: a request whose outcome
+    reads such a top-p row must come back flagged.
+
+    ``batch``: a :class:`shardmax.testing.traffic.TrafficBatch`-like object (``logits`` bf16 /
+    fp16 ``[num_logits, V]``, vLLM's layout tensors, per-slot ``temperature`` and ``top_p``).
+    """
+    x = batch.logits.detach().cpu()
+    lens = torch.diff(batch.cu_num_logits.cpu().long())
+    slots = torch.repeat_interleave(batch.idx_mapping.cpu().long(), lens)
+    temps = batch.temperature.cpu()[slots]
+    tops = batch.top_p.cpu()[slots]
+    masks: list[list[torch.Tensor]] = [[], []]
+    for r in range(x.shape[0]):
+        t, p = float(temps[r]), float(tops[r])
+        full = torch.ones(x.shape[1], dtype=torch.bool)
+        got = [full, full]
+        row = x[r].float()
+        if t > 0 and p < 1 and bool(torch.isfinite(row).any()) and not bool(row.isnan().any()):
+            h = level_histogram(x[r], t, tile0=config.tile0)
+            kept = replay(h, p, config, sigma_table)
+            if kept.reason == ReplayReason.OK:
+                ms = kept_masks(x[r], kept, h.top_key)
+                got = [ms[0], ms[-1]]
+        masks[0].append(got[0])
+        masks[1].append(got[1])
+    proc = x.float() / torch.where(temps > 0, temps, 1.0)[:, None]
+    proc = torch.where(temps[:, None] == 1.0, x.float(), proc)  # vLLM: T = 1 rows untouched
+    unit = torch.where(batch.temperature.cpu() > 0, 1.0, 0.0)  # temperature already applied
+    outs = []
+    for m in masks:
+        masked = torch.where(torch.stack(m), proc, float("-inf"))
+        masked = torch.where(torch.isnan(proc), proc, masked)
+        out = verify_sampled(
+            masked, batch.draft_sampled.cpu(), batch.cu_num_logits.cpu(), batch.pos.cpu(),
+            batch.idx_mapping.cpu(), batch.expanded_local_pos.cpu(), unit, batch.seed.cpu(),
+            batch.num_speculative_steps, use_fp64_gumbel=use_fp64_gumbel,
+        )  # fmt: skip
+        outs.append(out)
+    return outs
