@@ -806,6 +806,52 @@ def test_sampled_routing_by_tp(monkeypatch, value, tp1, tp2):
     assert step.sampled_routing(1) is tp1 and step.sampled_routing(2) is tp2
 
 
+def _topp_runner(top_k: int, min_p: float, top_p: float, dtype: torch.dtype):
+    """A stand-in runner / batch with vLLM's per-slot sampling arrays (V = 100, 2 requests)."""
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+
+    st = NS(
+        vocab_size=100,
+        top_k=NS(np=np.array([100, top_k, 100])),
+        top_p=NS(np=np.array([1.0, top_p, 0.95])),
+        min_p=NS(np=np.array([0.0, min_p, 0.0])),
+    )
+    runner = NS(rejection_sampler=NS(sampler=NS(sampling_states=st)), dtype=dtype)
+    return runner, NS(idx_mapping_np=np.array([1, 2]))
+
+
+@pytest.mark.parametrize(
+    ("value", "top_k", "min_p", "dtype", "routed"),
+    [(None, 100, 0.0, torch.bfloat16, False), ("auto", 100, 0.0, torch.bfloat16, True),
+     ("auto", 100, 0.0, torch.float16, True), ("auto", 100, 0.0, torch.float32, False),
+     ("auto", 20, 0.0, torch.bfloat16, False), ("auto", 100, 0.05, torch.bfloat16, False),
+     ("1", 20, 0.05, torch.float32, True), ("off", 100, 0.0, torch.bfloat16, False)],
+)  # fmt: skip
+def test_nucleus_routing(monkeypatch, value, top_k, min_p, dtype, routed):
+    """``SHARDMAX_VLLM_NUCLEUS``: off by default (measured cost); ``auto`` routes bf16 / fp16
+    steps whose only truncation is top-p (the level-histogram path); ``1`` every such step."""
+    from shardmax.integrations.vllm import step
+
+    monkeypatch.delenv(step.ENV_TOPP, raising=False)
+    if value is None:
+        monkeypatch.delenv(step.ENV_NUCLEUS, raising=False)
+    else:
+        monkeypatch.setenv(step.ENV_NUCLEUS, value)
+    runner, batch = _topp_runner(top_k, min_p, 0.9, dtype)
+    assert step.nucleus_routing(runner, batch) is routed
+    if value == "auto" and routed:
+        monkeypatch.setenv(step.ENV_TOPP, "candidates")  # auto routes the histogram path only
+        assert step.nucleus_routing(runner, batch) is False
+        monkeypatch.setenv(step.ENV_TOPP, "sometimes")
+        with pytest.raises(ValueError, match="SHARDMAX_VLLM_TOPP='sometimes'"):
+            step.nucleus_routing(runner, batch)
+    monkeypatch.setenv(step.ENV_NUCLEUS, "maybe")
+    with pytest.raises(ValueError, match="SHARDMAX_VLLM_NUCLEUS='maybe'"):
+        step.nucleus_routing(runner, batch)
+
+
 def test_sampled_routing_rejects_other_values(monkeypatch):
     from shardmax.integrations.vllm import step
 

@@ -386,6 +386,20 @@ def resolution_enabled() -> bool:
 NUCLEUS_ROUTING = ("auto", "1", "0")
 
 
+def _routing_env(name: str, default: str, accepted: tuple[str, ...]) -> str:
+    """A routing variable's value: ``auto`` / ``1`` / ``0`` (``true`` / ``on`` / ``yes`` read as
+    ``1``, ``false`` / ``off`` / ``no`` as ``0``), ``default`` when unset or empty.
+
+    Raises:
+        ValueError: any other value (named, with the accepted ones).
+    """
+    raw = os.environ.get(name, default).strip().lower() or default
+    raw = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}.get(raw, raw)
+    if raw not in accepted:
+        raise ValueError(f"{name}={os.environ.get(name)!r}: expected one of {accepted}")
+    return raw
+
+
 def nucleus_routing(runner: Any = None, input_batch: Any = None) -> bool:
     """Whether a step with top-k / top-p / min-p requests takes the sharded path:
     ``$SHARDMAX_VLLM_NUCLEUS`` = ``0`` (default: none), ``auto`` (the steps whose only truncation
@@ -406,15 +420,7 @@ def nucleus_routing(runner: Any = None, input_batch: Any = None) -> bool:
     Raises:
         ValueError: any other value (named, with the accepted ones).
     """
-    raw = os.environ.get(ENV_NUCLEUS, "0").strip().lower() or "0"
-    if raw in ("true", "on", "yes"):
-        raw = "1"
-    if raw in ("false", "off", "no"):
-        raw = "0"
-    if raw not in NUCLEUS_ROUTING:
-        raise ValueError(
-            f"{ENV_NUCLEUS}={os.environ.get(ENV_NUCLEUS)!r}: expected one of {NUCLEUS_ROUTING}"
-        )
+    raw = _routing_env(ENV_NUCLEUS, "0", NUCLEUS_ROUTING)
     if raw != "auto":
         return raw == "1"
     if runner is None or input_batch is None or topp_path() != "histogram":
@@ -495,15 +501,7 @@ def sampled_routing(tp: int) -> bool:
     Raises:
         ValueError: any other value (named, with the accepted ones).
     """
-    raw = os.environ.get(ENV_SAMPLED, "auto").strip().lower() or "auto"
-    if raw in ("true", "on", "yes"):
-        raw = "1"
-    if raw in ("false", "off", "no"):
-        raw = "0"
-    if raw not in SAMPLED_ROUTING:
-        raise ValueError(
-            f"{ENV_SAMPLED}={os.environ.get(ENV_SAMPLED)!r}: expected one of {SAMPLED_ROUTING}"
-        )
+    raw = _routing_env(ENV_SAMPLED, "auto", SAMPLED_ROUTING)
     return raw == "1" or (raw == "auto" and tp > 1)
 
 
