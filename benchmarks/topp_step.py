@@ -12,7 +12,11 @@ realistic_batch`, K = 3), on one GPU with the collectives emulated in-process:
   run eagerly on this rank's ``[rows, W]`` shard, the host read of the flags, and the flagged
   requests resolved from their own rows by vLLM's own kernels
   (:mod:`shardmax.ops.resolve`, ``NativeChain.verify_requests``);
-* ``shardmax-cand``: the same with the candidate path (``with_candidates=True``).
+  Flagged requests are resolved as the plug-in resolves them: at a fixed capacity, replayed from
+  CUDA graphs (:class:`shardmax.integrations.vllm.resolution.CapturedResolution`);
+* ``shardmax-hist-eager``: the same, the flagged requests resolved by vLLM's chain launched
+  eagerly (``NativeChain.verify_requests``: the plug-in before the captured resolution);
+* ``shardmax-cand``: the histogram path's resolution on the candidate path (``with_candidates=True``).
 
 The shardmax paths' collectives return the bytes the other ranks really send: every rank's local
 stage is run once beforehand (untimed), and the timed rank's collective hands back those gathered
@@ -23,7 +27,7 @@ the call, then ``synchronize``), the flagged requests and the steps that needed 
 The same fixed number of calls on every path.
 
     python -m benchmarks.topp_step [--vocab 151936,200064] [--tp 2,4,8] [--reqs 8,40]
-        [--steps 4] [--calls 20] [--out benchmarks/results/<arch>/topp_step]
+        [--steps 4] [--calls 20] [--paths ...] [--out benchmarks/results/<arch>/topp_step]
 
 Writes ``topp_step.csv``, ``topp_step.png`` and ``TOPP_STEP.md``. Needs a GPU and an extracted
 vLLM 0.33 tree (``bash scripts/vllm_sources.sh 0.33.0``; ``SHARDMAX_VLLM_KERNELS``).
@@ -47,6 +51,7 @@ FIELDS = [
     "resolved_steps_pct", "mismatch", "speedup_latency_vs_vllm",
 ]  # fmt: skip
 K = 3
+PATHS = ("shardmax-hist", "shardmax-hist-eager", "shardmax-cand", "vllm")
 
 
 class _Replayed:
@@ -96,7 +101,9 @@ def _record(
     return gathered, res
 
 
-def _paths(b: Any, tp: int, chain: Any, kw: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+def _paths(
+    b: Any, tp: int, chain: Any, resolver: Any, kw: dict[str, Any], paths: tuple[str, ...] = PATHS
+) -> dict[str, Callable[[], Any]]:
     from shardmax.ops.resolve import apply_resolved, flagged_requests, gather_rows, request_rows
     from shardmax.ops.sampled import SampledVerifyPlan
     from shardmax.reference.nucleus_replay import pipeline_for
@@ -118,7 +125,14 @@ def _paths(b: Any, tp: int, chain: Any, kw: dict[str, Any]) -> dict[str, Callabl
 
     out: dict[str, Callable[[], Any]] = {}
     shards: list[Any] = []
-    for name, topp in (("shardmax-hist", True), ("shardmax-cand", False)):
+    variants = {
+        "shardmax-hist": (True, resolver),  # the plug-in's call: resolution from CUDA graphs
+        "shardmax-hist-eager": (True, chain),  # the flagged requests resolved by eager launches
+        "shardmax-cand": (False, resolver),
+    }
+    for name, (topp, resolve) in variants.items():
+        if name not in paths:
+            continue
         shards, ctxs = emulated_ranks(logits, tp, None)  # each path its own ranks and workspaces
         stride = _stride(shards[0].local_logits)
         plans = [
@@ -132,7 +146,10 @@ def _paths(b: Any, tp: int, chain: Any, kw: dict[str, Any]) -> dict[str, Callabl
         ctxs[0].coll = coll
         plan0, local0 = plans[0], shards[0].local_logits
 
-        def call(plan0: Any = plan0, local0: torch.Tensor = local0, coll: _Replayed = coll) -> Any:
+        def call(
+            plan0: Any = plan0, local0: torch.Tensor = local0, coll: _Replayed = coll,
+            resolve: Any = resolve,
+        ) -> Any:  # fmt: skip
             coll.reset()
             batch = batch_of()
             res = plan0.run(local0, batch)
@@ -140,7 +157,7 @@ def _paths(b: Any, tp: int, chain: Any, kw: dict[str, Any]) -> dict[str, Callabl
             if req.size:
                 rows_np = request_rows(cu_np, req)
                 full = gather_rows(plan0.ctx, local0, rows_np)
-                sub = chain.verify_requests(full, req, **kw)
+                sub = resolve.verify_requests(full, req, **kw)
                 apply_resolved(res, req, sub.sampled, sub.num_sampled, sub.num_rejected)
             return res, int(req.size)
 
@@ -171,7 +188,10 @@ def _time(call: Callable[[], Any], calls: int) -> tuple[float, float]:
     return statistics.median(host), statistics.median(lat)
 
 
-def run_case(vocab: int, tp: int, reqs: int, steps: int, calls: int, chain: Any) -> list[dict]:
+def run_case(
+    vocab: int, tp: int, reqs: int, steps: int, calls: int, chain: Any, resolver: Any,
+    paths: tuple[str, ...] = PATHS,
+) -> list[dict]:  # fmt: skip
     from benchmarks.engine import _mismatches
     from shardmax.testing.traffic import realistic_batch
     from shardmax.testing.vllm_chain import verify_inputs
@@ -181,9 +201,9 @@ def run_case(vocab: int, tp: int, reqs: int, steps: int, calls: int, chain: Any)
         b = realistic_batch(reqs, K, vocab, seed=4000 + step, mix="top_p", device="cuda")
         kw = verify_inputs(b)
         kw["checks"] = False
-        paths = _paths(b, tp, chain, kw)
-        whole = paths["vllm"]()[0]
-        for name, call in paths.items():
+        calls_ = _paths(b, tp, chain, resolver, kw, paths)
+        whole = calls_["vllm"]()[0]
+        for name, call in calls_.items():
             got, flagged = call()
             bad, _ = _mismatches(got, whole) if name != "vllm" else (0, 0)
             host, lat = _time(call, calls)
@@ -207,7 +227,7 @@ def run_case(vocab: int, tp: int, reqs: int, steps: int, calls: int, chain: Any)
     return rows
 
 
-def _profile(vocab: int, tp: int, reqs: int, steps: int, chain: Any) -> None:
+def _profile(vocab: int, tp: int, reqs: int, steps: int, chain: Any, resolver: Any) -> None:
     import cProfile
     import pstats
 
@@ -218,7 +238,7 @@ def _profile(vocab: int, tp: int, reqs: int, steps: int, chain: Any) -> None:
         b = realistic_batch(reqs, K, vocab, seed=4000 + step, mix="top_p", device="cuda")
         kw = verify_inputs(b)
         kw["checks"] = False
-        call = _paths(b, tp, chain, kw)["shardmax-hist"]
+        call = _paths(b, tp, chain, resolver, kw, ("shardmax-hist", "vllm"))["shardmax-hist"]
         if call()[1] == 0:
             continue
         call()
@@ -284,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
+        "--paths", default=",".join(PATHS), help=f"comma-separated, of {','.join(PATHS)} (vllm "
+        "always runs: the oracle and the baseline)",
+    )  # fmt: skip
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="only print where the host time of the histogram path's call goes on the first "
@@ -301,19 +325,24 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks.topp_step: no vLLM 0.33 tree (bash scripts/vllm_sources.sh 0.33.0)",
               file=sys.stderr)  # fmt: skip
         return 2
+    from shardmax.integrations.vllm.resolution import CapturedResolution
+
+    resolver = CapturedResolution(chain)
+    paths = tuple(p for p in PATHS if p in args.paths.split(",") or p == "vllm")
     rows: list[dict] = []
     for vocab in (int(v) for v in args.vocab.split(",")):
         for reqs in (int(r) for r in args.reqs.split(",")):
             for tp in (int(t) for t in args.tp.split(",")):
                 if args.profile:
-                    _profile(vocab, tp, reqs, args.steps, chain)
+                    _profile(vocab, tp, reqs, args.steps, chain, resolver)
                     continue
-                for r in run_case(vocab, tp, reqs, args.steps, args.calls, chain):
+                for r in run_case(vocab, tp, reqs, args.steps, args.calls, chain, resolver, paths):
                     print(f"V={vocab} TP{tp} rows={r['rows']:4} {r['path']:14} host "
                           f"{r['host_us']:7.0f} us  latency {r['latency_us']:7.0f} us  "
                           f"({r['speedup_latency_vs_vllm']:.2f}x vLLM)  flagged "
                           f"{r['flagged_req_pct']:5.1f} %  mismatch {r['mismatch']}", flush=True)  # fmt: skip
                     rows.append(r)
+    print(f"captured resolution: {resolver.stats}")
     if args.profile:
         return 0
     out = args.out or Path("benchmarks/results") / (detect_arch() or "unknown") / "topp_step"

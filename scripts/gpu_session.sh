@@ -47,11 +47,13 @@
 #                                   (emulated) against vLLM's path (benchmarks/topp_step.py),
 #                                   then the histogram path's flags and bytes on 20 steps
 #   bash scripts/gpu_session.sh S   stage R's step benchmark alone, more steps per case
+#   bash scripts/gpu_session.sh T   one H200: the captured resolution's GPU tests, the top-p step
+#                                   with it vs the eager resolution and vLLM's path, a profile
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A-S}
+STAGE=${1:?stage A-T}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -337,6 +339,27 @@ S)
     >"$OUT/topp_step_S.log" 2>&1
   echo "  rc=$?"; grep -E "^V=|Error" "$OUT/topp_step_S.log" | tail -40
   tar -czf "$OUT/S.tar.gz" -C "$OUT" topp_step 2>/dev/null
+  rm -rf "$OUT/topp_step"
+  ;;
+T)
+  # the captured resolution: its GPU tests (against every carried vLLM chain, replays compared
+  # bit for bit), then the top-p step with it against the eager resolution and vLLM's path, then
+  # where the host time of a resolving step goes (cProfile)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "resolution GPU tests"
+  SHARDMAX_RESOLVE_GPU_SEEDS=${RESOLVE_SEEDS:-6} timeout "$(left 200)" python3 -m pytest -m gpu -q \
+    -p no:cacheprovider -s tests/test_resolve.py >"$OUT/resolve_T.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|Error|\[captured|\[resolve" "$OUT/resolve_T.log" | tail -24
+  stamp "top-p step: plug-in call vs vLLM (emulated TP)"
+  timeout "$(left 500)" python3 -m benchmarks.topp_step --tp "${STEP_TP:-2,8}" \
+    --steps "${STEP_STEPS:-8}" --calls "${STEP_CALLS:-6}" --paths shardmax-hist,shardmax-hist-eager \
+    --out "$OUT/topp_step" >"$OUT/topp_step_T.log" 2>&1
+  echo "  rc=$?"; grep -E "^V=|Error|captured" "$OUT/topp_step_T.log" | tail -40
+  stamp "profile"
+  timeout "$(left 560)" python3 -m benchmarks.topp_step --profile --tp 2 --reqs 40 \
+    --vocab 200064 --steps 6 >"$OUT/profile_T.log" 2>&1
+  echo "  rc=$?"
+  tar -czf "$OUT/T.tar.gz" -C "$OUT" topp_step 2>/dev/null
   rm -rf "$OUT/topp_step"
   ;;
 P)

@@ -11,13 +11,16 @@ run per extracted vLLM version):
   the whole step for those requests, with several chunks, mixed temperature / top-p / greedy
   requests, and the whole chunk's gates (a T = 1 request alone would be verified on the raw
   tensor; inside a top-p chunk vLLM verifies an fp32 copy -- the subset must too);
+* :class:`CapturedResolution` (the plug-in's resolver: the chain on a padded, fixed-capacity
+  sub-batch, replayed from CUDA graphs on the GPU; eagerly here) == :meth:`NativeChain.verify`
+  on the whole step for any subset, every capacity; what does not fit runs the eager chain;
 * the whole flow on realistic T = 1 / top-p 0.95 traffic: emulated TP 2 / 4 sharded verification
   (fast and strict), its flagged requests resolved from their gathered rows: every request of
   the step == vLLM's chain on the full logits, none left flagged.
 
 GPU (marked ``gpu``): the same on the H200 over both top-p pipelines (split <= 64 rows, the
 monolithic kernel above), V = 151936 / 200064, TP 2 / 4 / 8, every call twice and compared bit
-for bit.
+for bit; the captured resolution (graph replays) == the eager one == the whole step.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 
+from shardmax.integrations.vllm.resolution import CapturedResolution
 from shardmax.ops.resolve import apply_resolved, flagged_requests, gather_rows, request_rows
 from shardmax.ops.sampled import VerifyResult
 from shardmax.runtime.geometry import Geometry
@@ -229,6 +233,48 @@ def test_verify_requests_equals_the_whole_step(chain: NativeChain) -> None:
         assert ch.last_pipelines == ["none"]
 
 
+@pytest.mark.e2e
+@by_version
+def test_captured_resolution_equals_the_whole_step(chain: NativeChain) -> None:
+    """The padded fixed-capacity sub-batch (eager here: no CUDA graph on the CPU) gives every
+    subset's requests the whole step's answer; subsets that fit no capacity, or span chunks, take
+    the eager chain."""
+    vocab, num_reqs = 512, 8
+    b, temp, top_p = _mixed_batch(5, num_reqs, vocab)
+    kw = verify_inputs(b, temperature=temp, top_p=top_p)
+    whole = chain.verify(b.logits, **kw)
+    res = CapturedResolution(chain, capacities=(1, 2, 4), padded=True)
+    subsets = [np.array([0]), np.array([num_reqs - 1]), np.array([2, 5]), np.array([1, 3, 4, 6])]
+    for req in subsets:
+        rows = request_rows(kw["cu_num_logits_np"], req)
+        for checks in (True, False):
+            got = res.verify_requests(
+                b.logits[torch.from_numpy(rows)], req, **{**kw, "checks": checks}
+            )
+            _assert_same(got, _subset(whole, req), f"vLLM {chain.version} captured {req}")
+    assert res.stats["padded_eager"] == 2 * len(subsets) and res.stats["eager"] == 0
+    # 5 requests: over the largest capacity -> the eager chain, same answer
+    req = np.array([0, 1, 2, 3, 4])
+    rows = request_rows(kw["cu_num_logits_np"], req)
+    got = res.verify_requests(b.logits[torch.from_numpy(rows)], req, **kw)
+    _assert_same(got, _subset(whole, req), "over capacity")
+    assert res.stats["eager"] == 1
+    # requests in two chunks -> the eager chain
+    small = CapturedResolution(chain.with_options(max_chunk_rows=9), padded=True)
+    whole9 = chain.with_options(max_chunk_rows=9).verify(b.logits, **kw)
+    req = np.array([0, num_reqs - 1])
+    rows = request_rows(kw["cu_num_logits_np"], req)
+    got = small.verify_requests(b.logits[torch.from_numpy(rows)], req, **kw)
+    _assert_same(got, _subset(whole9, req), "two chunks")
+    assert small.stats["eager"] == 1
+    with pytest.raises(ValueError, match="rows_logits"):
+        res.verify_requests(b.logits[:3], np.array([0]), **kw)
+    with pytest.raises(ValueError, match="requests"):
+        res.verify_requests(b.logits[:8], np.array([1, 0]), **kw)
+    with pytest.raises(ValueError, match="capacities"):
+        CapturedResolution(chain, capacities=(2, 2))
+
+
 def _only_first(kw, rows: int):
     """The step's arguments restricted to request 0 (its own step)."""
     return {
@@ -268,7 +314,7 @@ def test_verify_requests_bad_input(chain: NativeChain) -> None:
     assert out.sampled.shape == (0, 4) and out.num_sampled.shape == (0,)
 
 
-def resolve_step(chain, b, kw, tp: int, mode: str, device="cpu"):
+def resolve_step(chain, b, kw, tp: int, mode: str, device="cpu", resolver=None):
     """Emulated TP sharded verification of a realistic step, flagged requests resolved from their
     gathered rows (here: the full tensor's rows -- gather_rows' layout is tested above).
     Returns (result, flagged requests)."""
@@ -281,7 +327,7 @@ def resolve_step(chain, b, kw, tp: int, mode: str, device="cpu"):
     )  # fmt: skip
     req, _ = flagged_requests(res)
     rows = torch.from_numpy(request_rows(kw["cu_num_logits_np"], req)).to(b.logits.device)
-    sub = chain.verify_requests(b.logits[rows], req, **kw)
+    sub = (resolver or chain).verify_requests(b.logits[rows], req, **kw)
     apply_resolved(res, req, *sub)
     return res, req
 
@@ -353,3 +399,36 @@ def test_realistic_top_p_resolved_equals_vllm_on_gpu(case) -> None:
     for (version, mode), n in sorted(flagged.items()):
         print(f"[resolve gpu] vLLM {version} {case} {expect} {mode}: {n}/{total} requests "
               f"resolved, 0 of {total} differ")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _GPU_CASES, ids=[f"{r}req-V{v}-tp{t}" for r, v, t in _GPU_CASES])
+def test_captured_resolution_on_gpu(case) -> None:
+    """The plug-in's resolver on the H200: each step's flagged requests resolved three times by
+    one :class:`CapturedResolution` (padded eager, then captured, then replayed) and once by the
+    eager chain -- all `==` vLLM's chain on the whole step, the replays bit-identical."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not CHAINS:
+        pytest.skip("no vLLM chain tree (scripts/vllm_kernels.sh)")
+    num_reqs, vocab, tp = case
+    resolvers = {c.version: CapturedResolution(c) for c in CHAINS}
+    resolved = 0
+    for seed in range(_gpu_seeds()):
+        b = realistic_batch(num_reqs, 3, vocab, seed=seed, mix="top_p", device="cuda")
+        kw = verify_inputs(b)
+        for chain in CHAINS:
+            whole = chain.verify(b.logits, **kw)
+            runs = [resolve_step(chain, b, kw, tp, "fast", "cuda", resolvers[chain.version])
+                    for _ in range(3)]  # fmt: skip
+            for res, req in runs:
+                assert not bool(res.fallback.any())
+                _assert_same(res, whole, f"vLLM {chain.version} {case} captured seed {seed}")
+                assert np.array_equal(req, runs[0][1])
+            a, b2 = runs[1][0], runs[2][0]
+            assert torch.equal(a.sampled, b2.sampled) and torch.equal(a.num_sampled, b2.num_sampled)
+            resolved += int(runs[0][1].size)
+    for version, r in resolvers.items():
+        print(f"[captured resolution] vLLM {version} {case}: {r.stats}, {resolved} requests")
+        if resolved:
+            assert r.stats["replayed"] > 0, r.stats

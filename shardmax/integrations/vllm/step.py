@@ -305,6 +305,7 @@ def verify_greedy(
 
 
 ENV_GRAPHS = "SHARDMAX_VLLM_GRAPHS"
+_OFF = ("0", "false", "off", "no")
 GRAPH_ROUTING = ("auto", "1", "0")
 
 
@@ -509,7 +510,10 @@ def resolver() -> Any:
     """vLLM's own verification chain of the installed vLLM
     (:func:`shardmax.integrations.vllm.chain.installed_chain`), or None when resolution is off or the
     chain does not load (then no request is resolved: top-k / top-p / min-p steps stay on vLLM's
-    path and flagged steps re-run natively).
+    path and flagged steps re-run natively). On CUDA devices it runs at a fixed capacity replayed
+    from CUDA graphs (:class:`shardmax.integrations.vllm.resolution.CapturedResolution`: the same
+    answers for a fraction of the host time; the graph holds no collective, so at every TP)
+    unless ``$SHARDMAX_VLLM_GRAPHS=0``.
 
     Decided once per process and agreed on by every TP rank (one all-reduce of "it loads" over
     vLLM's TP group at the first call, which every rank makes at the same step): ranks that took
@@ -518,11 +522,15 @@ def resolver() -> Any:
     if not resolution_enabled():
         return None
     if not _RESOLVER:
-        chain, err = None, None
+        chain: Any = None
+        err = None
         try:
             from shardmax.integrations.vllm.chain import installed_chain
+            from shardmax.integrations.vllm.resolution import CapturedResolution
 
             chain = installed_chain()
+            if os.environ.get(ENV_GRAPHS, "auto").strip().lower() not in _OFF:
+                chain = CapturedResolution(chain)
         except Exception as e:  # an unknown layout: resolve nothing, say so once
             err = repr(e)
         if not _every_rank(chain is not None):

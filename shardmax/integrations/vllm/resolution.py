@@ -1,0 +1,359 @@
+"""Per-request resolution at a fixed capacity, replayed from CUDA graphs.
+
+A sampled step resolves the requests it flagged with vLLM's own chain on their gathered rows
+(:meth:`~shardmax.integrations.vllm.chain.NativeChain.verify_requests`). Launched eagerly, that
+chain costs what vLLM's whole sampling step costs on the host -- an fp32 copy, the temperature /
+top-k / top-p launches (seven for the split top-p pipeline), ``rejection_sample``'s four and
+``get_num_sampled_and_rejected``, plus the small gathers of the requests' indices: ~1 ms of
+Python on the H200's host for one flagged request, on 40-60 % of realistic top-p steps.
+
+:class:`CapturedResolution` runs the same chain on a **fixed capacity**: ``R`` request slots and
+``R (K + 1)`` logits rows in static buffers, the flagged requests in the first slots, the rest
+padding. The chain on those buffers is captured once per capacity and per set of the chunk's
+host decisions (vLLM's gates and top-p pipeline) and replayed afterwards; per step the host
+writes one index array (rows and requests to take, the sub-batch's ``cu_num_logits``), copies it
+to the device, gathers the indices and the rows into the buffers (a few small copies) and
+replays.
+
+Why a padded sub-batch gives each real request exactly vLLM's answer inside its whole step:
+
+* every kernel of the chain computes a row from that row (the fp32 copy, temperature, min-p, the
+  monolithic top-k/top-p kernel, ``rejection_sample``'s statistics) or a request from its rows
+  (acceptance, the keyed Gumbel of ``(seed, pos, token)``, the counts), exactly as
+  :meth:`~shardmax.integrations.vllm.chain.NativeChain.verify_requests` relies on;
+* the chunk's host decisions -- the fp32 copy, which launches run, which top-k/top-p rows are
+  passed, ``has_topp_only_rows`` -- are taken from the WHOLE chunk (``_gates``) and are part of
+  the capture's key;
+* vLLM's split top-p pipeline (CUDA, at most 64 rows) masks a row as a function of the row and
+  of its split count ``S(rows, V, #SMs)`` (``_topp_split_count``): a capacity is used only when
+  its padded row count makes vLLM pick the chunk's own pipeline and split count (the next larger
+  capacity otherwise); a chunk of more than 64 rows keeps the monolithic kernel for the fewer
+  padded rows, as the eager resolution does;
+* padding rows and requests point at the first real request's indices and slot (in range for
+  every kernel); their outputs are never read.
+
+Everything the graph reads by address and does not own -- vLLM's per-slot state (temperature,
+seeds, top-k / top-p / min-p, ``prefill_len``), and vLLM's module-level workspaces the kernels
+use (kept alive here) -- is part of the key, so a moved buffer is captured anew rather than read
+stale. Steps that do not fit (several chunks, more flagged requests than the largest capacity,
+a synthetic or fp64 step the chain's capture has not been checked on) and every step off CUDA
+run :meth:`NativeChain.verify_requests` eagerly; on the CPU the padded sub-batch itself runs
+eagerly (``padded=True``), so its exactness is tested by the interpreter suite.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import threading
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardmax.integrations.vllm.chain import (
+    ChainOutput,
+    NativeChain,
+    _Chunk,
+    max_chunk_logits,
+    request_chunks,
+)
+from shardmax.ops.resolve import check_requests, stage
+
+__all__ = ["CAPACITIES", "CapturedResolution"]
+
+CAPACITIES = (1, 2, 4, 8, 16, 32)
+"""Request capacities of the captured sub-batches (flagged requests per step; more run eagerly).
+Realistic top-p steps flag 1-4 % of their requests (README): one or two at 32-160 rows."""
+MAX_GRAPHS = 32
+"""Captured (capacity, decisions) pairs kept per resolver (least recently used out)."""
+_WORKSPACES = ("_TRITON_BUFFER_CACHE", "_TRITON_TABLE_CACHE", "_TRITON_SPLIT_CACHE")
+"""vLLM's top-k/top-p workspaces (module-level caches): a capture holds what they held."""
+
+
+_PERSISTENT = ("temperature_gpu", "seed_gpu", "top_k_gpu", "top_p_gpu", "min_p_gpu", "prefill_len")
+"""vLLM's per-slot tensors the captured chain reads by address (part of the key)."""
+_INDEXED = ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos", "idx_mapping",
+            "seq_lens", "cu_num_logits")  # fmt: skip
+"""The step's tensors gathered into the static buffers each step (their dtypes: the key)."""
+
+
+class _Sub:
+    """The static buffers of one capacity and their captured chain (or none: eager)."""
+
+    def __init__(self, rows: int, reqs: int, like: dict[str, torch.Tensor]) -> None:
+        self.rows, self.reqs = rows, reqs
+        dev = like["logits"].device
+        self.logits = torch.zeros((rows, like["logits"].shape[1]), dtype=like["logits"].dtype,
+                                  device=dev)  # fmt: skip
+        self.row_index = {
+            n: torch.zeros(rows, dtype=like[n].dtype, device=dev)
+            for n in ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos")
+        }
+        self.idx_mapping = torch.zeros(reqs, dtype=like["idx_mapping"].dtype, device=dev)
+        self.seq_lens = torch.zeros(reqs, dtype=like["seq_lens"].dtype, device=dev)
+        self.cu = torch.zeros(reqs + 1, dtype=like["cu_num_logits"].dtype, device=dev)
+        self.graph: Any = None
+        self.out: ChainOutput | None = None
+        self.keep: list[Any] = []  # what the graph reads and does not own
+        self.steps = 0
+
+
+class CapturedResolution:
+    """vLLM's chain on the flagged requests of a step, at a fixed capacity, from CUDA graphs.
+
+    Drop-in for :meth:`NativeChain.verify_requests` (same arguments, same answers): the plug-in's
+    resolver (:func:`shardmax.integrations.vllm.step.resolver`).
+
+    Args:
+        chain: vLLM's chain (the installed vLLM's, or an extracted tree's).
+        capacities: request capacities, increasing (default :data:`CAPACITIES`).
+        padded: run the padded sub-batch off CUDA too (eagerly; tests). Default: only on CUDA.
+        capture_after: a (capacity, decisions) pair is captured on its ``capture_after``-th step
+            (the earlier ones run the padded chain eagerly; the first also warms vLLM's caches).
+
+    The outputs of a replayed step are the graph's static tensors: valid until the next call.
+
+    Raises:
+        ValueError: capacities not increasing positive integers; ``capture_after < 1``.
+    """
+
+    def __init__(
+        self,
+        chain: NativeChain,
+        *,
+        capacities: tuple[int, ...] = CAPACITIES,
+        padded: bool = False,
+        capture_after: int = 2,
+    ) -> None:
+        caps = tuple(int(c) for c in capacities)
+        if not caps or caps[0] < 1 or any(b <= a for a, b in itertools.pairwise(caps)):
+            raise ValueError(f"capacities: expected increasing positive integers, got {capacities}")
+        if capture_after < 1:
+            raise ValueError(f"capture_after: expected >= 1, got {capture_after}")
+        self.chain = chain
+        self.capacities = caps
+        self.padded = padded
+        self.capture_after = capture_after
+        self._subs: OrderedDict[tuple[Any, ...], _Sub] = OrderedDict()
+        self._pool: Any = None
+        self._lock = threading.Lock()
+        self.stats = {"captured": 0, "replayed": 0, "padded_eager": 0, "eager": 0}
+        """Steps by path: replayed from a graph, padded but eager (before capture, or off CUDA),
+        eager (did not fit a capacity); ``captured`` counts graphs."""
+
+    # ---- the call --------------------------------------------------------------------------
+
+    def verify_requests(
+        self, rows_logits: torch.Tensor, requests: np.ndarray, **step: Any
+    ) -> ChainOutput:
+        """vLLM's answer for ``requests`` of a step: :meth:`NativeChain.verify_requests`'s
+        arguments and result (``checks`` is honoured: with it every argument is checked first,
+        by the chain's own checks)."""
+        device = rows_logits.device
+        if not (self.padded or device.type == "cuda"):
+            self.stats["eager"] += 1
+            return self.chain.verify_requests(rows_logits, requests, **step)
+        if step.get("checks", True):  # the chain's checks, on the real sub-batch; cheap path after
+            self.chain.verify_requests(rows_logits[:0], np.zeros(0, np.int64), **step)
+        plan = self._plan(rows_logits, requests, step)
+        if plan is None:
+            self.stats["eager"] += 1
+            return self.chain.verify_requests(rows_logits, requests, **step)
+        key, sub_args, index, n, m = plan
+        with self._lock:
+            sub = self._sub(key, sub_args, {"logits": rows_logits, **step})
+            self._fill(sub, rows_logits, index, m, step)
+            sub.steps += 1
+            if sub.graph is None and device.type == "cuda" and sub.steps >= self.capture_after:
+                self._capture(sub, key, step)
+            if sub.graph is not None:
+                sub.graph.replay()
+                self.stats["replayed"] += 1
+            else:
+                sub.out = self._body(sub, key, step)
+                self.stats["padded_eager"] += 1
+            out = sub.out
+            assert out is not None
+            return ChainOutput(out.sampled[:n], out.num_sampled[:n], out.num_rejected[:n])
+
+    # ---- planning (host only) ----------------------------------------------------------------
+
+    def _plan(
+        self, rows_logits: torch.Tensor, requests: np.ndarray, step: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], tuple[int, int], np.ndarray, int, int] | None:
+        """(key, (rows, reqs) capacity, the packed host index array, n, m) or None: eager."""
+        if step.get("synthetic_conditional_rates") is not None:
+            return None  # not captured on the GPU checks: the eager chain
+        chain = self.chain
+        vocab = int(rows_logits.shape[1])
+        cu_np = np.asarray(step["cu_num_logits_np"], dtype=np.int64)
+        num_reqs = len(cu_np) - 1
+        req = check_requests(requests, num_reqs)
+        n = int(req.size)
+        if n == 0 or n > self.capacities[-1]:
+            return None
+        k = int(step["num_speculative_steps"])
+        limit = chain.max_chunk_rows or max_chunk_logits(vocab)
+        chunks = request_chunks(cu_np, limit)
+        home = [(s, e) for s, e in chunks if int(req[0]) >= s and int(req[0]) < e]
+        start, end = home[0]
+        if int(req[-1]) >= end:
+            return None  # flagged requests in several chunks
+        chunk_rows = int(cu_np[end] - cu_np[start])
+        state = NativeChain._State(
+            step["temperature_gpu"], step["temperature_np"], step.get("top_k_gpu"),
+            step.get("top_k_np"), step.get("top_p_gpu"), step.get("top_p_np"),
+            step.get("min_p_gpu"), step.get("min_p_np"),
+        )  # fmt: skip
+        slots = np.asarray(step["idx_mapping_np"])[start:end]
+        gates = NativeChain._gates(slots, state, vocab, chunk_rows)
+        pipeline = chain.topp_pipeline_for(
+            chunk_rows, top_k_active=gates.do_k, top_p_active=gates.do_p,
+            has_topp_only_rows=gates.only_p, device_type=rows_logits.device.type,
+        )  # fmt: skip
+        cap = self._capacity(n, k, chunk_rows, vocab, pipeline, rows_logits.device)
+        if cap is None:
+            return None
+        reqs = cap
+        rows = cap * (k + 1)
+        sizes = cu_np[1:] - cu_np[:-1]
+        m = int(sizes[req].sum())
+        if rows_logits.shape[0] != m:
+            raise ValueError(
+                f"rows_logits: expected the {m} logits rows of the {n} requests, got "
+                f"{list(rows_logits.shape)}"
+            )
+        row_of = np.concatenate([np.arange(cu_np[r], cu_np[r + 1]) for r in req])
+        first = int(cu_np[req[0]])
+        row_sel = np.full(rows, first, dtype=np.int64)
+        row_sel[:m] = row_of
+        req_sel = np.full(reqs, int(req[0]), dtype=np.int64)
+        req_sel[:n] = req
+        cu = np.empty(reqs + 1, dtype=np.int64)
+        cu[: n + 1] = np.concatenate([[0], np.cumsum(sizes[req])])
+        cu[n + 1 :] = m + np.arange(1, reqs - n + 1)  # one row per padding request
+        index = np.concatenate([row_sel, req_sel, cu])
+        persistent = tuple(
+            (name, t.data_ptr(), t.dtype, tuple(t.shape))
+            for name in _PERSISTENT
+            if (t := step.get(name)) is not None
+        )
+        dtypes = tuple(step[name].dtype for name in _INDEXED)
+        # the chunk's row count matters to vLLM only through the pipeline it picks: the split
+        # pipeline runs on the padded rows (same split count), a chunk over the split threshold
+        # keeps the monolithic kernel (the chain sets the threshold to 0 for the call), a
+        # smaller one runs as it would
+        threshold = int(chain.modules.topk_topp._SPLIT_MAX_BATCH)
+        if "split" in pipeline:
+            rows_key = rows
+        else:
+            rows_key = threshold + 1 if chunk_rows > threshold else chunk_rows
+        key = (
+            rows, reqs, k, vocab, rows_logits.dtype, str(rows_logits.device), dtypes,
+            replace(gates, rows=rows_key), pipeline, bool(step.get("use_fp64_gumbel", False)),
+            persistent,
+        )  # fmt: skip
+        return key, (rows, reqs), index, n, m
+
+    def _capacity(
+        self, n: int, k: int, chunk_rows: int, vocab: int, pipeline: str, device: torch.device
+    ) -> int | None:
+        """The smallest capacity >= ``n`` whose ``capacity * (K + 1)`` padded rows get vLLM's
+        pipeline of the chunk: any for the monolithic kernel or none; for the split pipeline
+        at most vLLM's split threshold and the chunk's own split count."""
+        mod = self.chain.modules.topk_topp
+        for cap in self.capacities:
+            if cap < n:
+                continue
+            rows = cap * (k + 1)
+            if "split" not in pipeline:
+                return cap
+            if rows > mod._SPLIT_MAX_BATCH:
+                return None
+            mine = _split_count(mod, rows, vocab, device)
+            if rows == chunk_rows or (
+                mine is not None and mine == _split_count(mod, chunk_rows, vocab, device)
+            ):
+                return cap
+        return None
+
+    # ---- buffers, body, capture ------------------------------------------------------------
+
+    def _sub(self, key: tuple[Any, ...], cap: tuple[int, int], like: dict[str, Any]) -> _Sub:
+        sub = self._subs.get(key)
+        if sub is None:
+            if len(self._subs) >= MAX_GRAPHS:
+                self._subs.popitem(last=False)
+            sub = self._subs[key] = _Sub(cap[0], cap[1], like)
+        self._subs.move_to_end(key)
+        return sub
+
+    def _fill(
+        self, sub: _Sub, rows_logits: torch.Tensor, index: np.ndarray, m: int, step: dict
+    ) -> None:
+        """The step's rows and indices into ``sub``'s buffers (one host->device copy, then
+        device gathers in stream order: no host sync)."""
+        idx = stage(index, rows_logits.device)
+        rows, reqs = sub.rows, sub.reqs
+        row_sel, req_sel, cu = idx[:rows], idx[rows : rows + reqs], idx[rows + reqs :]
+        sub.logits[:m].copy_(rows_logits)
+        for name, buf in sub.row_index.items():
+            torch.index_select(step[name], 0, row_sel, out=buf)
+        torch.index_select(step["idx_mapping"], 0, req_sel, out=sub.idx_mapping)
+        torch.index_select(step["seq_lens"], 0, req_sel, out=sub.seq_lens)
+        sub.cu.copy_(cu)
+
+    def _body(self, sub: _Sub, key: tuple[Any, ...], step: dict[str, Any]) -> ChainOutput:
+        """The chain on ``sub``'s buffers: ``_verify``'s one chunk as vLLM runs it."""
+        gates = key[7]
+        chain = self.chain
+        state = NativeChain._State(
+            step["temperature_gpu"], step["temperature_np"], step.get("top_k_gpu"),
+            step.get("top_k_np"), step.get("top_p_gpu"), step.get("top_p_np"),
+            step.get("min_p_gpu"), step.get("min_p_np"),
+        )  # fmt: skip
+        chunk = _Chunk(
+            sub.logits, sub.row_index["draft_sampled"], sub.cu, sub.row_index["pos"],
+            sub.idx_mapping, sub.row_index["expanded_idx_mapping"],
+            sub.row_index["expanded_local_pos"], gates,
+        )  # fmt: skip
+        return chain._rejection(
+            [chunk], state, int(sub.logits.shape[1]), int(key[2]), step["temperature_gpu"],
+            step["seed_gpu"], None, bool(step.get("use_fp64_gumbel", False)), sub.seq_lens,
+            sub.cu, sub.idx_mapping, step["prefill_len"],
+        )  # fmt: skip
+
+    def _capture(self, sub: _Sub, key: tuple[Any, ...], step: dict[str, Any]) -> None:
+        """Capture the chain on ``sub`` (its buffers already filled; the earlier padded eager
+        run compiled vLLM's kernels and filled its caches), holding vLLM's workspaces."""
+        mod = self.chain.modules.topk_topp
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._body(sub, key, step)  # warm-up on the capture stream (allocator, caches)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            sub.out = self._body(sub, key, step)
+        sub.keep = [dict(getattr(mod, name, {})) for name in _WORKSPACES]
+        sub.graph = graph
+        self.stats["captured"] += 1
+
+
+def _split_count(mod: Any, rows: int, vocab: int, device: torch.device) -> int | None:
+    """vLLM's split count of its split top-p pipeline for ``rows`` rows: its own
+    ``_topp_split_count`` with its own SM count (0.33 takes the vocabulary too, 0.32 does not);
+    None where the version has no such function (then only the chunk's own row count is used)."""
+    fn = getattr(mod, "_topp_split_count", None)
+    count = getattr(mod, "num_compute_units", None)
+    if fn is None or count is None:
+        return None
+    num_sm = count(device.index)
+    if len(inspect.signature(fn).parameters) == 3:
+        return int(fn(rows, vocab, num_sm))
+    return int(fn(rows, num_sm))
