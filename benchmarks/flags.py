@@ -141,12 +141,12 @@ def run_hist_case(
 ) -> dict:
     """The histogram path on ``seeds`` realistic top-p steps: flags, bytes, and (with ``chain``)
     unflagged requests that differ from vLLM 0.33's chain on the full logits."""
-    from benchmarks.topp_step import _record
     from shardmax.ops.resolve import flagged_requests, request_rows
     from shardmax.ops.sampled import FallbackReason, SampledVerifyPlan
     from shardmax.reference.nucleus_replay import ReplayReason, pipeline_for
     from shardmax.runtime.validation import check_step_batch
     from shardmax.testing.emulate import _stride, emulated_ranks
+    from shardmax.testing.replayed import record_exchanges
     from shardmax.testing.traffic import realistic_batch
     from shardmax.testing.vllm_chain import verify_inputs
 
@@ -172,7 +172,9 @@ def run_hist_case(
             top_p=b.top_p,
         )  # fmt: skip
         cu_np = b.cu_num_logits.cpu().numpy()
-        _, res = _record(shards, plans, batch, cu_np, True)  # every rank's stages, no resolution
+        _, res = record_exchanges(
+            shards, plans, batch, cu_np, True
+        )  # every rank's stages, no resolution
         kept = plans[0].kept_sets()[:, 0].cpu().numpy()
         req, codes = flagged_requests(res)
         for r, c in zip(req.tolist(), codes.tolist(), strict=True):

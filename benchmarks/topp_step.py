@@ -9,14 +9,15 @@ realistic_batch`, K = 3), on one GPU with the collectives emulated in-process:
   its top-p kernels, ``rejection_sample``, ``get_num_sampled_and_rejected``), eager;
 * ``shardmax-hist``: what the plug-in runs on one rank -- the step's host checks, the cached
   level-histogram plan (``VocabShard.verify(rows, topp=pipeline_for(rows, "cuda", "0.33"))``)
-  run eagerly on this rank's ``[rows, W]`` shard, the host read of the flags, and the flagged
-  requests resolved from their own rows by vLLM's own kernels
-  (:mod:`shardmax.ops.resolve`, ``NativeChain.verify_requests``);
-  Flagged requests are resolved as the plug-in resolves them: at a fixed capacity, replayed from
-  CUDA graphs (:class:`shardmax.integrations.vllm.resolution.CapturedResolution`);
-* ``shardmax-hist-eager``: the same, the flagged requests resolved by vLLM's chain launched
-  eagerly (``NativeChain.verify_requests``: the plug-in before the captured resolution);
-* ``shardmax-cand``: the histogram path's resolution on the candidate path (``with_candidates=True``).
+  replayed from CUDA graphs on this rank's ``[rows, W]`` shard (split at the step's two
+  all_gathers, which run eagerly between the replays: :mod:`shardmax.runtime.graphs`), the host
+  read of the flags, and the flagged requests resolved from their own rows by vLLM's own kernels
+  at a fixed capacity, replayed from CUDA graphs too
+  (:class:`shardmax.integrations.vllm.resolution.CapturedResolution`);
+* ``shardmax-hist-eager``: the same with every launch eager -- the plan's ``run`` and vLLM's
+  chain on the flagged requests (``NativeChain.verify_requests``): the plug-in's call before
+  both graphs;
+* ``shardmax-cand``: the candidate path (``with_candidates=True``), called as ``shardmax-hist``.
 
 The shardmax paths' collectives return the bytes the other ranks really send: every rank's local
 stage is run once beforehand (untimed), and the timed rank's collective hands back those gathered
@@ -54,61 +55,16 @@ K = 3
 PATHS = ("shardmax-hist", "shardmax-hist-eager", "shardmax-cand", "vllm")
 
 
-class _Replayed:
-    """A rank's collective that returns recorded gathered bytes, in call order (one step)."""
-
-    def __init__(self, tp: int, rank: int, gathered: list[torch.Tensor]) -> None:
-        self.world_size, self.rank = tp, rank
-        self._gathered = gathered
-        self._i = 0
-
-    def reset(self) -> None:
-        self._i = 0
-
-    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
-        g = self._gathered[self._i]
-        self._i += 1
-        assert g.shape[1:] == t.shape[1:] and g.shape[0] == self.world_size * t.shape[0]
-        return g.clone()  # the bytes land in a fresh buffer, as NCCL's output
-
-    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover - unused
-        raise RuntimeError("not used by sampled verification")
-
-
-def _record(
-    shards: list[Any], plans: list[Any], batch: Any, cu_np: Any, topp: bool
-) -> tuple[list[torch.Tensor], Any]:
-    """Every rank's stages once: the step's gathered bytes in order, and rank 0's result."""
-    from shardmax.ops.resolve import flagged_requests, request_rows
-
-    sent = [p.local(s.local_logits, batch) for p, s in zip(plans, shards, strict=True)]
-    g1 = torch.cat(sent, dim=0)
-    res = plans[0].finish(g1, batch)
-    gathered = [g1]
-    if plans[0].two_phase:
-        draw = plans[0].draw_rows(batch.num_reqs)
-        kept = plans[0].kept_sets() if topp else None
-        keys = [
-            p.draw(s.local_logits, batch, draw, kept) for p, s in zip(plans, shards, strict=True)
-        ]
-        g2 = torch.cat(keys, dim=0)
-        res = plans[0].pick(g2, res)
-        gathered.append(g2)
-    req, _ = flagged_requests(res)
-    if req.size:
-        rows = torch.from_numpy(request_rows(cu_np, req)).to(shards[0].local_logits.device)
-        gathered.append(torch.cat([s.local_logits[rows] for s in shards], dim=0))
-    return gathered, res
-
-
 def _paths(
     b: Any, tp: int, chain: Any, resolver: Any, kw: dict[str, Any], paths: tuple[str, ...] = PATHS
 ) -> dict[str, Callable[[], Any]]:
     from shardmax.ops.resolve import apply_resolved, flagged_requests, gather_rows, request_rows
     from shardmax.ops.sampled import SampledVerifyPlan
     from shardmax.reference.nucleus_replay import pipeline_for
+    from shardmax.runtime.graphs import GraphedStep
     from shardmax.runtime.validation import check_step_batch
     from shardmax.testing.emulate import _stride, emulated_ranks
+    from shardmax.testing.replayed import ReplayedCollective, record_exchanges
 
     logits = b.logits
     rows = logits.shape[0]
@@ -125,12 +81,12 @@ def _paths(
 
     out: dict[str, Callable[[], Any]] = {}
     shards: list[Any] = []
-    variants = {
-        "shardmax-hist": (True, resolver),  # the plug-in's call: resolution from CUDA graphs
-        "shardmax-hist-eager": (True, chain),  # the flagged requests resolved by eager launches
-        "shardmax-cand": (False, resolver),
+    variants = {  # (top-p from histograms, resolver, plan replayed from CUDA graphs)
+        "shardmax-hist": (True, resolver, True),  # the plug-in's call
+        "shardmax-hist-eager": (True, chain, False),  # every launch eager (the plug-in before)
+        "shardmax-cand": (False, resolver, True),
     }
-    for name, (topp, resolve) in variants.items():
+    for name, (topp, resolve, graphed) in variants.items():
         if name not in paths:
             continue
         shards, ctxs = emulated_ranks(logits, tp, None)  # each path its own ranks and workspaces
@@ -141,18 +97,19 @@ def _paths(
             )
             for c in ctxs
         ]
-        gathered, _ = _record(shards, plans, batch_of(), cu_np, topp)
-        coll = _Replayed(tp, 0, gathered)
+        gathered, _ = record_exchanges(shards, plans, batch_of(), cu_np, topp)
+        coll = ReplayedCollective(tp, 0, gathered)
         ctxs[0].coll = coll
         plan0, local0 = plans[0], shards[0].local_logits
+        step0 = GraphedStep(plan0) if graphed else plan0
 
         def call(
-            plan0: Any = plan0, local0: torch.Tensor = local0, coll: _Replayed = coll,
-            resolve: Any = resolve,
+            plan0: Any = plan0, local0: torch.Tensor = local0, coll: ReplayedCollective = coll,
+            resolve: Any = resolve, step0: Any = step0,
         ) -> Any:  # fmt: skip
             coll.reset()
             batch = batch_of()
-            res = plan0.run(local0, batch)
+            res = step0.run(local0, batch)
             req, _ = flagged_requests(res)  # the plug-in's host read of the flags
             if req.size:
                 rows_np = request_rows(cu_np, req)

@@ -49,11 +49,13 @@
 #   bash scripts/gpu_session.sh S   stage R's step benchmark alone, more steps per case
 #   bash scripts/gpu_session.sh T   one H200: the captured resolution's GPU tests, the top-p step
 #                                   with it vs the eager resolution and vLLM's path, a profile
+#   bash scripts/gpu_session.sh U   one H200: graphs split at the collectives and replayed on a
+#                                   static logits copy (GPU tests), then the top-p step with them
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A-T}
+STAGE=${1:?stage A-U}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -360,6 +362,22 @@ T)
     --vocab 200064 --steps 6 >"$OUT/profile_T.log" 2>&1
   echo "  rc=$?"
   tar -czf "$OUT/T.tar.gz" -C "$OUT" topp_step 2>/dev/null
+  rm -rf "$OUT/topp_step"
+  ;;
+U)
+  # graphs split at the collectives + static-logits replay (strict, top-p histograms): the graph
+  # GPU tests and the other graph checks, then the top-p step as the plug-in now calls it
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "graph GPU tests"
+  timeout "$(left 240)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_graphs.py \
+    tests/test_gpu.py -k "graph or replay" >"$OUT/graphs_U.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED" "$OUT/graphs_U.log" | tail -20
+  stamp "top-p step: plug-in call vs vLLM (emulated TP)"
+  timeout "$(left 560)" python3 -m benchmarks.topp_step --tp "${STEP_TP:-2,8}" \
+    --steps "${STEP_STEPS:-8}" --calls "${STEP_CALLS:-6}" --paths shardmax-hist,shardmax-hist-eager \
+    --out "$OUT/topp_step" >"$OUT/topp_step_U.log" 2>&1
+  echo "  rc=$?"; grep -E "^V=|Error|captured" "$OUT/topp_step_U.log" | tail -40
+  tar -czf "$OUT/U.tar.gz" -C "$OUT" topp_step 2>/dev/null
   rm -rf "$OUT/topp_step"
   ;;
 P)

@@ -5,11 +5,14 @@ of ``table_copy``, the INDIRECT launches of the logits-reading kernels, the outp
 fresh tensors -- on greedy, temperature and top-p steps whose logits and batch tensors are new
 tensors every step; results ``==`` the plan's own ``run`` on the same inputs, bit for bit.
 Fallbacks (a logits address that is not 16-byte aligned, a step inside someone else's capture),
-refusals (the plain path, strict mode, another shard's plan), the per-signature cache.
+refusals (the plain path, another shard's plan), the per-signature cache. Plans whose kernels
+read the logits directly (strict mode, level-histogram top-p) replay on a static copy of them.
 
 GPU (marked ``gpu``): the real capture and replay, each step == the eager launches bit for bit
 and every replay twice; no host sync on replayed steps; a workspace that grows after a capture;
-an NCCL group (one rank) whose all_gather is captured inside the graph.
+an NCCL group (one rank) whose all_gather is captured inside the graph; emulated TP 2 / 8 (the
+other ranks' bytes replayed), where the graphs are split at the collectives, which run eagerly
+between the replays.
 """
 
 from __future__ import annotations
@@ -29,7 +32,23 @@ from shardmax.testing.traffic import TrafficBatch, realistic_batch
 K = 3
 
 
+@pytest.fixture(autouse=True)
+def _sigma_table():
+    """A stand-in for vLLM's sigma table (the monolithic top-p replay reads one; replay and
+    launches read the same)."""
+    from shardmax.runtime.topp_tables import set_sigma_table, sigma_table
+
+    if sigma_table() is not None:
+        yield
+        return
+    sigma = torch.special.ndtri((torch.arange(200, dtype=torch.float64) + 0.5) / 200).float()
+    set_sigma_table(sigma.tolist())
+    yield
+    set_sigma_table(None)
+
+
 def _batch(t: TrafficBatch, mix: str, draft_dtype: torch.dtype = torch.int32) -> StepBatch:
+    mix = _traffic(mix)
     rows = t.logits.shape[0]
     sampled = mix != "greedy"
     return check_step_batch(
@@ -40,9 +59,22 @@ def _batch(t: TrafficBatch, mix: str, draft_dtype: torch.dtype = torch.int32) ->
 
 
 def _plan(shard: VocabShard, rows: int, mix: str, mode: str = "fast"):
+    """``mix``: greedy / temperature / top_p (candidates), or ``strict`` (temperature rows in
+    strict mode) and ``top_p_hist`` (top-p rows from level histograms): plans whose kernels read
+    the logits directly, replayed on a static copy of them."""
+    from shardmax.reference.nucleus_replay import pipeline_for
+
     if mix == "greedy":
         return shard.greedy_verify(rows)
+    if mix == "strict":
+        return shard.verify(rows, mode="strict")
+    if mix == "top_p_hist":
+        return shard.verify(rows, topp=pipeline_for(rows, shard.ctx.device.type))
     return shard.verify(rows, mode=mode, with_candidates=mix == "top_p")
+
+
+def _traffic(mix: str) -> str:
+    return {"strict": "temperature", "top_p_hist": "top_p"}.get(mix, mix)
 
 
 def _shard(vocab: int, dtype: torch.dtype, device: str) -> VocabShard:
@@ -55,13 +87,14 @@ def _equal(a, b) -> bool:
 
 def _steps(mix: str, vocab: int, reqs: int, n: int, device: str, dtype=torch.bfloat16):
     """``n`` steps of one batch shape, each with its own logits and batch tensors."""
+    kind = _traffic(mix)
     return [
-        realistic_batch(reqs, K, vocab, seed=11 * i + 1, mix=mix, dtype=dtype, device=device)
+        realistic_batch(reqs, K, vocab, seed=11 * i + 1, mix=kind, dtype=dtype, device=device)
         for i in range(n)
     ]
 
 
-@pytest.mark.parametrize("mix", ["greedy", "temperature", "top_p"])
+@pytest.mark.parametrize("mix", ["greedy", "temperature", "top_p", "strict", "top_p_hist"])
 def test_replayed_steps_equal_the_plan_run(mix: str) -> None:
     steps = _steps(mix, 2053, 3, 3, "cpu")
     rows = steps[0].logits.shape[0]
@@ -157,10 +190,7 @@ def test_plans_that_cannot_be_replayed_are_refused() -> None:
     t = _steps("temperature", 1031, 2, 1, "cpu")[0]
     rows = t.logits.shape[0]
     shard = _shard(1031, torch.bfloat16, "cpu")
-    strict = shard.verify(rows, mode="strict")
-    assert not GraphedStep.supported(strict)
-    with pytest.raises(ValueError, match="plan: strict mode"):
-        shard.graphed(strict)
+    assert GraphedStep.supported(shard.verify(rows, mode="strict"))  # on a static logits copy
     with override(variant="plain"):
         plain = shard.greedy_verify(rows)
     with pytest.raises(ValueError, match="plan: the plain path"):
@@ -191,7 +221,7 @@ def _gpu_steps(mix: str, vocab: int, reqs: int, n: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mix", ["greedy", "temperature", "top_p"])
+@pytest.mark.parametrize("mix", ["greedy", "temperature", "top_p", "strict", "top_p_hist"])
 @pytest.mark.parametrize("reqs", [1, 24, 128])
 def test_gpu_replay_equals_launches_twice(mix: str, reqs: int) -> None:
     vocab = 200064
@@ -213,7 +243,7 @@ def test_gpu_replay_equals_launches_twice(mix: str, reqs: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mix", ["greedy", "temperature"])
+@pytest.mark.parametrize("mix", ["greedy", "temperature", "top_p_hist"])
 def test_gpu_replay_makes_no_host_sync(mix: str) -> None:
     steps = _gpu_steps(mix, 151936, 8, 3)
     rows = steps[0].logits.shape[0]
@@ -382,3 +412,83 @@ def test_workspace_after_a_capture_keeps_within_twice_its_largest_buffer() -> No
         ws.reserve("a", n)
     kept = sum(b.numel() for b in ws.retired)
     assert len(ws.retired) <= 11 and kept < ws.nbytes()
+
+
+def _emulated_rank_steps(mix: str, vocab: int, reqs: int, tp: int, n: int, device: str):
+    """One emulated rank (rank 0) of a TP ``tp`` group over ``n`` steps of one shape: its plan,
+    its GraphedStep, and per step (its shard, batch, the other ranks' bytes). The rank's plan
+    really calls its collective, which hands back what every rank sent
+    (:class:`shardmax.testing.replayed.ReplayedCollective`)."""
+    from shardmax.ops.sampled import SampledVerifyPlan
+    from shardmax.reference.nucleus_replay import pipeline_for
+    from shardmax.testing.emulate import _stride, emulated_ranks
+    from shardmax.testing.replayed import ReplayedCollective, record_exchanges
+
+    steps = _steps(mix, vocab, reqs, n, device)
+    rows = steps[0].logits.shape[0]
+    shards0, ctxs = emulated_ranks(steps[0].logits, tp)
+    stride = _stride(shards0[0].local_logits)
+    topp = pipeline_for(rows, "cuda") if mix == "top_p_hist" else None
+    plans = [
+        SampledVerifyPlan(c, rows, stride, mode="strict" if mix == "strict" else "fast", topp=topp)
+        for c in ctxs
+    ]
+    out = []
+    for t in steps:
+        shards, _ = emulated_ranks(t.logits, tp)
+        batch = _batch(t, mix)
+        cu_np = t.cu_num_logits.cpu().numpy()
+        gathered, _ = record_exchanges(shards, plans, batch, cu_np, topp is not None)
+        out.append((shards[0].local_logits, batch, ReplayedCollective(tp, 0, gathered)))
+    return plans[0], GraphedStep(plans[0]), out
+
+
+@pytest.mark.parametrize("mix", ["top_p_hist", "strict"])
+def test_emulated_tp_rank_replays_equal_launches(mix: str) -> None:
+    """TP 2, one rank's whole step with its collectives (CPU: the eager body; the GPU test below
+    captures it split at the collectives)."""
+    plan, step, steps = _emulated_rank_steps(mix, 1031, 2, 2, graphs.CAPTURE_AFTER, "cpu")
+    kept = []
+    for i, (local, batch, coll) in enumerate(steps):
+        plan.ctx.coll = coll
+        coll.reset()
+        ref = plan.run(local, batch)
+        coll.reset()
+        got = step.run(local.clone(), batch)
+        assert _equal(got, ref), f"step {i}"
+        kept += [ref, got]
+    assert step.num_graphs == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", ["temperature", "top_p_hist", "strict"])
+@pytest.mark.parametrize("tp", [2, 8])
+def test_gpu_graphs_split_at_the_collectives(mix: str, tp: int) -> None:
+    """One emulated rank of TP 2 / 8 on the H200: its step captured as graphs split at the
+    all_gathers (which run eagerly between the replays); each step's replay == the launches bit
+    for bit, replayed twice; no host sync on replayed steps."""
+    plan, step, steps = _emulated_rank_steps(mix, 151936, 24, tp, 5, "cuda")
+    kept = []
+    for i, (local, batch, coll) in enumerate(steps):
+        plan.ctx.coll = coll
+        coll.reset()
+        ref = plan.run(local, batch)
+        coll.reset()
+        got = step.run(local.clone(), batch)
+        coll.reset()
+        again = step.run(local.clone(), batch)
+        assert _equal(got, ref), f"{mix} TP{tp} step {i}"
+        assert _equal(again, got), f"{mix} TP{tp} step {i}: two replays differ"
+        kept += [ref, got, again]
+    assert step.num_graphs == 1
+    graph = next(iter(step._graphs.values())).graph
+    assert graph is not None and len(graph.graphs) == len(graph.calls) + 1 >= 3  # two exchanges
+    local, batch, coll = steps[-1]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        coll.reset()
+        out = step.run(local, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert _equal(out, kept[-1])

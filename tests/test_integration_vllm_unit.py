@@ -862,12 +862,12 @@ def test_sampled_routing_rejects_other_values(monkeypatch):
 
 @pytest.mark.parametrize(
     ("value", "tp1", "tp2"),
-    [(None, True, False), ("auto", True, False), ("1", True, True), ("yes", True, True),
+    [(None, True, True), ("auto", True, True), ("1", True, True), ("yes", True, True),
      ("0", False, False), ("off", False, False)],
 )  # fmt: skip
 def test_graph_replay_by_tp_and_device(monkeypatch, value, tp1, tp2):
-    """Steps replay their plan's CUDA graphs on CUDA devices at TP 1 by default (TP > 1 waits for
-    a multi-GPU check of the captured all_gather); ``SHARDMAX_VLLM_GRAPHS`` forces either way;
+    """Steps replay their plan's CUDA graphs on CUDA devices at every TP by default (at TP > 1
+    split at the collectives, which run eagerly); ``SHARDMAX_VLLM_GRAPHS=0`` turns it off;
     never on the CPU (no graphs there)."""
     from shardmax.integrations.vllm import step
 

@@ -87,8 +87,19 @@ class _Captured:
             self.host[2 + 3 * j] = t.data_ptr()
             self.host[3 + 3 * j] = _nbytes(t)
         self._static = static  # kept alive: the table points at them
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: _Segments | None = None
         self.outputs: list[torch.Tensor] = []
+        # plans whose kernels read the logits directly (level-histogram top-p, strict mode) run
+        # on a static copy of them (the caller's logits copied in before each replay)
+        self.direct = reads_logits_directly(plan)
+        self.static_logits: torch.Tensor | None = None
+        if self.direct:
+            rows, width = logits.shape
+            stride = max(int(plan.row_stride), width) if rows else width
+            self.static_logits = torch.empty((rows, stride), dtype=logits.dtype, device=dev)[
+                :, :width
+            ]
+            self.static_logits.copy_(logits)
         self._set_table(len(self.host))
         side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         if side is not None:
@@ -121,12 +132,8 @@ class _Captured:
             self._fill(logits, batch, self.outputs)
             self._upload()
             self._body(copy_out=True)  # warm-up of the whole step (table_copy compiled)
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                outs = list(self._body(copy_out=True))
-            finally:
-                graph.capture_end()
+            graph = _Segments(self.plan.ctx)
+            outs = list(graph.capture(lambda: self._body(copy_out=True)))
             for j, t in enumerate(outs):  # the graph's own outputs: the copies' sources
                 self.host[n + 3 * j] = t.data_ptr()
             self._graph_outputs = outs  # kept alive: the graph writes them
@@ -157,7 +164,10 @@ class _Captured:
         copy = kernels.kernel("table_copy")
         if self.n_in:
             copy((self.n_in,), self.table[1:], BLOCK=copy.module.BLOCK)
-        res = self.plan.run(self.indirect, self.static_batch)
+        res = self.plan.run(
+            self.static_logits if self.static_logits is not None else self.indirect,
+            self.static_batch,
+        )
         if copy_out:
             outs = list(res)
             n = 1 + 3 * self.n_in
@@ -182,11 +192,101 @@ class _Captured:
         outs = [torch.empty_like(t) for t in self.outputs]
         self._fill(logits, batch, outs)
         self._upload()
+        if self.static_logits is not None:
+            self.static_logits.copy_(logits)
         if self.graph is not None:
             self.graph.replay()
         else:
             self._body(copy_out=True)
         return self.make(outs)
+
+
+def reads_logits_directly(plan: Any) -> bool:
+    """Whether ``plan``'s kernels read the logits outside the INDIRECT launches (strict mode's
+    block statistics, level-histogram top-p's histograms): its captured step then copies the
+    caller's logits into a static buffer before each replay (one device copy of the shard)."""
+    return getattr(plan, "strict", None) is not None or getattr(plan, "topp", None) is not None
+
+
+class _Segments:
+    """A step's launches captured as CUDA graphs split at its collectives.
+
+    A collective of a TP group of more than one rank is never captured: the capture ends at
+    each one, the collective's input (a tensor of the graph's pool, kept alive) and a static
+    output buffer are recorded, and the next graph begins; at replay each graph is replayed and
+    each collective is called eagerly between them on the recorded input, its result copied
+    into the static output the next graph reads. So a captured step runs exactly the
+    collectives of the eager step, in order, on every rank (each rank captures at the same
+    step, as every rank sees the same batch shapes), and no NCCL call sits inside a graph. A
+    group of one rank returns its input: nothing to split.
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._pool: Any = None
+
+    def _begin(self) -> None:
+        g = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+        self.graphs.append(g)
+
+    def _end(self) -> None:
+        self.graphs[-1].capture_end()
+
+    def _split(self, name: str, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        self._end()
+        self.calls.append((name, t, out))
+        self._begin()
+        return out
+
+    def capture(self, body: Callable[[], Any]) -> Any:
+        """``body()`` captured (its collectives recorded, not run); returns its result."""
+        real = self.ctx.coll
+        splitting = real.world_size > 1
+        if splitting:
+            self.ctx.coll = _SplittingCollective(real, self)
+        self._begin()
+        try:
+            res = body()
+        finally:
+            self._end()
+            self.ctx.coll = real
+        return res
+
+    def replay(self) -> None:
+        coll = self.ctx.coll
+        for i, g in enumerate(self.graphs):
+            g.replay()
+            if i < len(self.calls):
+                name, t, out = self.calls[i]
+                out.copy_(getattr(coll, name)(t))
+
+
+class _SplittingCollective:
+    """The collective a step sees while :class:`_Segments` captures it (TP > 1)."""
+
+    def __init__(self, real: Any, segments: _Segments) -> None:
+        self.real, self.segments = real, segments
+
+    @property
+    def world_size(self) -> int:
+        return int(self.real.world_size)
+
+    @property
+    def rank(self) -> int:
+        return int(self.real.rank)
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((self.world_size * t.shape[0], *t.shape[1:]), dtype=t.dtype,
+                          device=t.device)  # fmt: skip
+        return self.segments._split("all_gather_dim0", t, out)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return self.segments._split("all_reduce_max", t, torch.empty_like(t))
 
 
 class GraphedStep:
@@ -216,14 +316,10 @@ class GraphedStep:
 
     @staticmethod
     def unsupported(plan: Any) -> str:
-        """Why ``plan`` cannot be replayed from a graph ("" when it can): the plain path and
-        strict mode and level-histogram top-p read the logits outside the INDIRECT kernels."""
+        """Why ``plan`` cannot be replayed from a graph ("" when it can): the plain path reads
+        the logits with torch ops and gathers them whole."""
         if getattr(plan, "plain", None) is not None:
             return "the plain path (full-logits gather) reads the logits with torch ops"
-        if getattr(plan, "strict", None) is not None:
-            return "strict mode reads the logits in its block-statistics kernels"
-        if getattr(plan, "topp", None) is not None:
-            return "level-histogram top-p reads the logits in its histogram kernels"
         if not hasattr(plan, "num_logits"):
             return f"{type(plan).__name__} is not a verification plan (run(local_logits, batch))"
         if not hasattr(plan, "run"):

@@ -310,12 +310,13 @@ GRAPH_ROUTING = ("auto", "1", "0")
 
 
 def graph_replay(tp: int, device: torch.device) -> bool:
-    """Whether a step replays its plan from a CUDA graph (:meth:`shardmax.plan.VocabShard.
-    graphed`) instead of launching it: ``$SHARDMAX_VLLM_GRAPHS`` = ``auto`` (default: on CUDA
-    devices at TP 1), ``1`` (on CUDA devices at every TP) or ``0`` (never). ``auto`` leaves
-    TP > 1 eager until a multi-GPU run has checked capturing vLLM's all_gather inside shardmax's
-    graphs (README "Known limits"); the replay itself is bit-identical to the launches (GPU
-    checks). Strict-mode sampled steps always launch (their kernels read the logits directly).
+    """Whether a step replays its plan from CUDA graphs (:meth:`shardmax.plan.VocabShard.
+    graphed`) instead of launching it: ``$SHARDMAX_VLLM_GRAPHS`` = ``auto`` / ``1`` (default:
+    on CUDA devices, at every TP) or ``0`` (never). At TP > 1 the graphs are split at the
+    step's collectives, which run eagerly between the replays exactly as in the launched step
+    (:mod:`shardmax.runtime.graphs`): no NCCL call is captured. The replay is bit-identical to
+    the launches (GPU checks). Plans whose kernels read the logits directly (strict mode,
+    level-histogram top-p) replay on a static copy of the shard.
 
     Raises:
         ValueError: any other value (named, with the accepted ones).
@@ -326,7 +327,7 @@ def graph_replay(tp: int, device: torch.device) -> bool:
         raise ValueError(
             f"{ENV_GRAPHS}={os.environ.get(ENV_GRAPHS)!r}: expected one of {GRAPH_ROUTING}"
         )
-    return device.type == "cuda" and (raw == "1" or (raw == "auto" and tp == 1))
+    return device.type == "cuda" and raw in ("1", "auto")
 
 
 def _run(shard: Any, plan: Any, local_logits: torch.Tensor, batch: Any) -> Any:
