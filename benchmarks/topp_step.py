@@ -212,9 +212,19 @@ def _profile(vocab: int, tp: int, reqs: int, steps: int, chain: Any, resolver: A
     print(f"== V={vocab} TP{tp} {reqs * (K + 1)} rows: no step resolved a request")
 
 
+def _read_csv(path: Path) -> list[dict]:
+    """The rows of a written ``topp_step.csv``, typed as :func:`run_case` returns them."""
+    ints = {"vocab", "tp", "rows", "steps", "calls", "mismatch"}
+    with path.open() as f:
+        return [
+            {k: (v if k == "path" else int(v) if k in ints else float(v)) for k, v in r.items()}
+            for r in csv.DictReader(f)
+        ]
+
+
 def summary(rows: list[dict]) -> str:
     lines = [
-        "# One top-p step as the plug-in calls it (eager) vs vLLM's path, emulated TP", "",
+        "# One top-p step as the plug-in calls it vs vLLM's path, emulated TP", "",
         "| V | TP | rows | path | host us | latency us | vs vLLM (latency) | requests flagged | "
         "steps resolving | != vLLM |", "|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
@@ -236,7 +246,7 @@ def plot(rows: list[dict], png: Path) -> None:
     cases = sorted({(r["vocab"], r["rows"]) for r in rows})
     fig, axes = plt.subplots(1, len(cases), figsize=(4.5 * len(cases), 3.8), squeeze=False)
     for ax, (v, n) in zip(axes[0], cases, strict=True):
-        for path in ("vllm", "shardmax-hist", "shardmax-cand"):
+        for path in [p for p in PATHS if any(r["path"] == p for r in rows)]:
             sel = sorted(
                 (r for r in rows if (r["vocab"], r["rows"], r["path"]) == (v, n, path)),
                 key=lambda r: r["tp"],
@@ -270,7 +280,18 @@ def main(argv: list[str] | None = None) -> int:
         help="only print where the host time of the histogram path's call goes on the first "
         "step that resolves a request (cProfile, 20 calls), per case",
     )
+    ap.add_argument(
+        "--render", type=Path, default=None, metavar="CSV",
+        help="only re-draw the PNG and the table of a measured topp_step.csv (into --out, "
+        "default the CSV's folder)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.render is not None:
+        rows = _read_csv(args.render)
+        out = args.out or args.render.parent
+        plot(rows, out / "topp_step.png")
+        (out / "TOPP_STEP.md").write_text(summary(rows) + "\n")
+        return 0
     if not torch.cuda.is_available():
         print("benchmarks.topp_step: needs a GPU", file=sys.stderr)
         return 2

@@ -824,14 +824,16 @@ def _topp_runner(top_k: int, min_p: float, top_p: float, dtype: torch.dtype):
 
 @pytest.mark.parametrize(
     ("value", "top_k", "min_p", "dtype", "routed"),
-    [(None, 100, 0.0, torch.bfloat16, False), ("auto", 100, 0.0, torch.bfloat16, True),
+    [(None, 100, 0.0, torch.bfloat16, True), (None, 20, 0.0, torch.bfloat16, False),
+     ("0", 100, 0.0, torch.bfloat16, False), ("auto", 100, 0.0, torch.bfloat16, True),
      ("auto", 100, 0.0, torch.float16, True), ("auto", 100, 0.0, torch.float32, False),
      ("auto", 20, 0.0, torch.bfloat16, False), ("auto", 100, 0.05, torch.bfloat16, False),
      ("1", 20, 0.05, torch.float32, True), ("off", 100, 0.0, torch.bfloat16, False)],
 )  # fmt: skip
 def test_nucleus_routing(monkeypatch, value, top_k, min_p, dtype, routed):
-    """``SHARDMAX_VLLM_NUCLEUS``: off by default (measured cost); ``auto`` routes bf16 / fp16
-    steps whose only truncation is top-p (the level-histogram path); ``1`` every such step."""
+    """``SHARDMAX_VLLM_NUCLEUS``: ``auto`` by default (measured cost) routes bf16 / fp16 steps
+    whose only truncation is top-p (the level-histogram path); ``1`` every such step; ``0``
+    none."""
     from shardmax.integrations.vllm import step
 
     monkeypatch.delenv(step.ENV_TOPP, raising=False)

@@ -553,8 +553,9 @@ def test_top_p_only_steps_are_routed_with_auto_on_bf16(vllm_config, monkeypatch,
 
 @pytest.mark.parametrize("env", ["default", "resolve-off"])
 def test_top_p_steps_stay_on_vllms_path_unless_routed(vllm_config, monkeypatch, env):
-    """By default (``SHARDMAX_VLLM_NUCLEUS`` unset), and with ``SHARDMAX_VLLM_RESOLVE=0`` even
-    when routed, top-k / top-p / min-p steps go to vLLM's path with their reason."""
+    """By default (``SHARDMAX_VLLM_NUCLEUS`` unset: ``auto``, top-p-only steps) a step with top-k
+    / min-p requests, and with ``SHARDMAX_VLLM_RESOLVE=0`` even when routed every top-k / top-p /
+    min-p step, goes to vLLM's path with its reason."""
     if env == "resolve-off":
         monkeypatch.setenv(step.ENV_NUCLEUS, "1")
         monkeypatch.setenv(step.ENV_RESOLVE, "0")

@@ -234,9 +234,9 @@ def maybe_verify_sharded(
       at TP 1 there is nothing to gather and vLLM's chain is faster) and
       ``step_decision(allow_temperature=True, allow_nucleus=<nucleus_routing(runner,
       input_batch) and a resolver loads>)`` allows it (temperature rows; with
-      ``SHARDMAX_VLLM_NUCLEUS=auto`` also the top-p rows of a bf16 / fp16 step whose only
-      truncation is top-p -- the level-histogram path --, with ``SHARDMAX_VLLM_NUCLEUS=1`` every
-      top-k, top-p, min-p row):
+      ``SHARDMAX_VLLM_NUCLEUS=auto``, the default, also the top-p rows of a bf16 / fp16 step
+      whose only truncation is top-p -- the level-histogram path --, with
+      ``SHARDMAX_VLLM_NUCLEUS=1`` every top-k, top-p, min-p row):
       :func:`~shardmax.integrations.vllm.step.verify_sampled`. Exactness rule: every request
       that comes back with ``fallback`` set (NaN / inf rows, a nucleus wider than the candidates,
       a boundary tie, an LSE at the margin, ...) is resolved from its own gathered rows by vLLM's

@@ -404,25 +404,26 @@ def _routing_env(name: str, default: str, accepted: tuple[str, ...]) -> str:
 
 def nucleus_routing(runner: Any = None, input_batch: Any = None) -> bool:
     """Whether a step with top-k / top-p / min-p requests takes the sharded path:
-    ``$SHARDMAX_VLLM_NUCLEUS`` = ``0`` (default: none), ``auto`` (the steps whose only truncation
-    is top-p, :func:`topp_only`, of a bf16 / fp16 model -- ``runner.dtype`` or
-    ``runner.model_config.dtype`` -- while ``$SHARDMAX_VLLM_TOPP`` is ``histogram``: the
-    level-histogram path) or ``1`` (every such step). Needs a resolver (:func:`resolver`; the
-    caller checks).
+    ``$SHARDMAX_VLLM_NUCLEUS`` = ``auto`` (default: the steps whose only truncation is top-p,
+    :func:`topp_only`, of a bf16 / fp16 model -- ``runner.dtype`` or ``runner.model_config.dtype``
+    -- while ``$SHARDMAX_VLLM_TOPP`` is ``histogram``: the level-histogram path), ``1`` (every
+    such step, top-k / min-p ones through the candidate path) or ``0`` (none). Needs a resolver
+    (:func:`resolver`; the caller checks) and sampled routing (:func:`sampled_routing`: TP > 1 by
+    default).
 
-    Off by default by measured cost (one H200, ``benchmarks/results/sm90/topp_step``: one rank's
-    eager plug-in call at TP 2 / 8, the other ranks' bytes replayed, against an HBM copy standing
-    in for the full-logits all-gather plus vLLM 0.33's chain, 12 realistic T = 1 / top-p 0.95
-    steps per case): the histogram path took 0.61-1.13x vLLM's latency on average -- about 0.55 ms
-    on a step with no flagged request (faster than vLLM's 0.6-1.1 ms), but 40-60 % of the steps
-    resolve a request (vLLM's own chain on its rows, ~1.5 ms more) and every call pays ~50 us of
-    Python launch overhead per Triton launch; the candidate path (top-k / min-p steps too) took
-    0.37-0.59x.
+    ``auto`` by measured cost (one H200, ``benchmarks/results/sm90/topp_step``: one rank's
+    plug-in call at TP 2 / 8 -- the plan replayed from CUDA graphs split at its two all_gathers,
+    the flagged requests resolved at a fixed capacity from CUDA graphs -- the other ranks' bytes
+    replayed, against an HBM copy standing in for the full-logits all-gather, a lower bound,
+    plus vLLM 0.33's chain; 8 realistic T = 1 / top-p 0.95 steps per case): the histogram path
+    took 1.02-2.18x less latency than vLLM's path (the same call with every launch eager: 0.56-
+    1.02x). The candidate path (top-k / min-p) stays opt-in: 0.37-0.59x in the eager
+    measurement before the graphs, not re-measured.
 
     Raises:
         ValueError: any other value (named, with the accepted ones).
     """
-    raw = _routing_env(ENV_NUCLEUS, "0", NUCLEUS_ROUTING)
+    raw = _routing_env(ENV_NUCLEUS, "auto", NUCLEUS_ROUTING)
     if raw != "auto":
         return raw == "1"
     if runner is None or input_batch is None or topp_path() != "histogram":
