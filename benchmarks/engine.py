@@ -16,16 +16,18 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
      step's host checks (``check_step_batch``), the shard's cached plan, its run replayed from a
      CUDA graph (``shard.graphed(plan).run``: one table copy and one graph launch) -- no host
      sync;
-   * ``shardmax-eager``: the same with the plan's launches made eagerly (``plan.run``: the
-     plug-in's call at TP > 1 by default, and strict mode's);
+   * ``shardmax-eager``: the same with the plan's launches made eagerly (``plan.run``;
+     ``SHARDMAX_VLLM_GRAPHS=0``);
    * ``shardmax+resolve``: what the plug-in runs on a sampled step: the same, one host read of
      the flags (a sync) and the flagged requests resolved per request
      (:mod:`shardmax.ops.resolve`: their rows gathered, vLLM's own kernels on them with the
-     whole step's decisions, :meth:`~shardmax.integrations.vllm.chain.NativeChain.verify_requests`);
-     every request of it is cross-checked against ``vllm``;
+     whole step's decisions, at a fixed capacity replayed from CUDA graphs:
+     :class:`~shardmax.integrations.vllm.resolution.CapturedResolution`); every request of it is
+     cross-checked against ``vllm``;
    * ``shardmax-hist+resolve`` (top-p traffic): the same with the top-p rows verified from level
-     histograms (``VocabShard.verify(rows, topp=pipeline_for(rows, "cuda", version))``, eager
-     launches: the plug-in's top-p call) instead of candidates;
+     histograms (``VocabShard.verify(rows, topp=pipeline_for(rows, "cuda", version))``, replayed
+     from its CUDA graphs on a static copy of the logits: the plug-in's top-p call) instead of
+     candidates;
 4. the accepted tokens accumulated on the device (read once at the end, as V2 reads its outputs
    asynchronously).
 
@@ -143,7 +145,7 @@ def _shardmax_step(
             if req.size:
                 rows_np = request_rows(kw["cu_num_logits_np"], req)
                 full = gather_rows(shard.ctx, logits, rows_np)
-                sub = chain.verify_requests(full, req, **kw, checks=False)
+                sub = chain.verify_requests(full, req, **{**kw, "checks": False})
                 apply_resolved(res, req, sub.sampled, sub.num_sampled, sub.num_rejected)
         return res
 
@@ -309,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # no extracted vLLM tree: the vllm path is not measured
         note = f"vllm chain unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
         print(note, file=sys.stderr)
+    resolver = None
+    if chain is not None:
+        from shardmax.integrations.vllm.resolution import CapturedResolution
+
+        resolver = CapturedResolution(chain)  # the plug-in's resolver
     out_dir = args.out or Path("benchmarks/results") / (detect_arch() or "unknown")
     out_dir.mkdir(parents=True, exist_ok=True)
     forward, forward_us = _forward_graph(args.forward_us)
@@ -327,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
             }
             if chain is not None and kw is not None:
                 if mix != "greedy":
-                    paths["shardmax+resolve"] = _shardmax_step(traffic, mix, prefill, (chain, kw))
+                    paths["shardmax+resolve"] = _shardmax_step(
+                        traffic, mix, prefill, (resolver, kw)
+                    )
                 if mix == "top_p":
                     from shardmax.reference.nucleus_replay import pipeline_for
                     from shardmax.runtime.topp_tables import set_sigma_table
@@ -335,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                     set_sigma_table(list(chain.modules.topk_topp._NORMAL_CDF_TO_SIGMA_TABLE))
                     config = pipeline_for(traffic.logits.shape[0], "cuda", chain.version)
                     paths["shardmax-hist+resolve"] = _shardmax_step(
-                        traffic, mix, prefill, (chain, kw), graphed=False, topp=config
+                        traffic, mix, prefill, (resolver, kw), topp=config
                     )
                 paths["vllm"] = _vllm_step(traffic, chain, kw)
             same = resolved_note = ""

@@ -51,11 +51,12 @@
 #                                   with it vs the eager resolution and vLLM's path, a profile
 #   bash scripts/gpu_session.sh U   one H200: graphs split at the collectives and replayed on a
 #                                   static logits copy (GPU tests), then the top-p step with them
+#   bash scripts/gpu_session.sh V   one H200: the engine-faithful loop alone
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A-U}
+STAGE=${1:?stage A-V}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -379,6 +380,16 @@ U)
   echo "  rc=$?"; grep -E "^V=|Error|captured" "$OUT/topp_step_U.log" | tail -40
   tar -czf "$OUT/U.tar.gz" -C "$OUT" topp_step 2>/dev/null
   rm -rf "$OUT/topp_step"
+  ;;
+V)
+  # the engine-faithful loop with the plug-in's current call (graphs, captured resolution)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "engine-faithful loop"
+  timeout "$(left 570)" python3 -m benchmarks.engine --steps 100 ${ENGINE_ARGS:-} \
+    --out "$OUT/engine" >"$OUT/engine_V.log" 2>&1
+  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) |Error" "$OUT/engine_V.log"
+  tar -czf "$OUT/V.tar.gz" -C "$OUT" engine 2>/dev/null
+  rm -rf "$OUT/engine"
   ;;
 P)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
