@@ -52,11 +52,13 @@
 #   bash scripts/gpu_session.sh U   one H200: graphs split at the collectives and replayed on a
 #                                   static logits copy (GPU tests), then the top-p step with them
 #   bash scripts/gpu_session.sh V   one H200: the engine-faithful loop alone
+#   bash scripts/gpu_session.sh W   one H200: the captured resolution's GPU test, stage V, then
+#                                   stage U's top-p step benchmark
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A-V}
+STAGE=${1:?stage A-W}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -390,6 +392,25 @@ V)
   echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) |Error" "$OUT/engine_V.log"
   tar -czf "$OUT/V.tar.gz" -C "$OUT" engine 2>/dev/null
   rm -rf "$OUT/engine"
+  ;;
+W)
+  # the captured resolution's GPU test, then stage V's engine loop and stage U's top-p step
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "captured resolution GPU test"
+  SHARDMAX_RESOLVE_GPU_SEEDS=${RESOLVE_SEEDS:-6} timeout "$(left 120)" python3 -m pytest -m gpu -q \
+    -p no:cacheprovider -s tests/test_resolve.py -k captured >"$OUT/resolve_W.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|Error|\[captured" "$OUT/resolve_W.log" | tail -12
+  stamp "engine-faithful loop"
+  timeout "$(left 300)" python3 -m benchmarks.engine --steps 100 ${ENGINE_ARGS:-} \
+    --out "$OUT/engine" >"$OUT/engine_W.log" 2>&1
+  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) |Error" "$OUT/engine_W.log" | grep -v "eager"
+  stamp "top-p step"
+  timeout "$(left 560)" python3 -m benchmarks.topp_step --tp "${STEP_TP:-2,8}" \
+    --steps "${STEP_STEPS:-8}" --calls "${STEP_CALLS:-6}" --paths shardmax-hist,shardmax-hist-eager \
+    --out "$OUT/topp_step" >"$OUT/topp_step_W.log" 2>&1
+  echo "  rc=$?"; grep -E "^V=|Error|captured" "$OUT/topp_step_W.log" | tail -40
+  tar -czf "$OUT/W.tar.gz" -C "$OUT" engine topp_step 2>/dev/null
+  rm -rf "$OUT/engine" "$OUT/topp_step"
   ;;
 P)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels

@@ -30,7 +30,9 @@ Why a padded sub-batch gives each real request exactly vLLM's answer inside its 
   capacity otherwise); a chunk of more than 64 rows keeps the monolithic kernel for the fewer
   padded rows, as the eager resolution does;
 * padding rows and requests point at the first real request's indices and slot (in range for
-  every kernel); their outputs are never read.
+  every kernel); their outputs are never read. Their logits are one token far above the rest:
+  the cheapest row for vLLM's top-p search (a flat row, e.g. zeros, is its slowest -- measured:
+  ~0.7 ms of GPU time for one padded request at 96 rows).
 
 Everything the graph reads by address and does not own -- vLLM's per-slot state (temperature,
 seeds, top-k / top-p / min-p, ``prefill_len``), and vLLM's module-level workspaces the kernels
@@ -73,6 +75,9 @@ _WORKSPACES = ("_TRITON_BUFFER_CACHE", "_TRITON_TABLE_CACHE", "_TRITON_SPLIT_CAC
 """vLLM's top-k/top-p workspaces (module-level caches): a capture holds what they held."""
 
 
+PAD_PEAK = 30.0
+"""The padding rows' one logit above the rest (``exp(-30) * 262144 < 3e-8``: a nucleus of one
+token at any top-p)."""
 _PERSISTENT = ("temperature_gpu", "seed_gpu", "top_k_gpu", "top_p_gpu", "min_p_gpu", "prefill_len")
 """vLLM's per-slot tensors the captured chain reads by address (part of the key)."""
 _INDEXED = ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos", "idx_mapping",
@@ -86,8 +91,14 @@ class _Sub:
     def __init__(self, rows: int, reqs: int, like: dict[str, torch.Tensor]) -> None:
         self.rows, self.reqs = rows, reqs
         dev = like["logits"].device
-        self.logits = torch.zeros((rows, like["logits"].shape[1]), dtype=like["logits"].dtype,
-                                  device=dev)  # fmt: skip
+        vocab = like["logits"].shape[1]
+        # padding rows: one token far above the rest (every kernel's cheapest row: vLLM's top-p
+        # search ends at once); a row of equal logits would be its slowest (the whole vocabulary
+        # kept, every pivot round run)
+        self.pad_row = torch.zeros((1, vocab), dtype=like["logits"].dtype, device=dev)
+        self.pad_row[0, 0] = PAD_PEAK
+        self.logits = self.pad_row.expand(rows, vocab).contiguous()
+        self.dirty = 0  # rows [0, dirty) may hold an earlier step's rows
         self.row_index = {
             n: torch.zeros(rows, dtype=like[n].dtype, device=dev)
             for n in ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos")
@@ -300,6 +311,9 @@ class CapturedResolution:
         rows, reqs = sub.rows, sub.reqs
         row_sel, req_sel, cu = idx[:rows], idx[rows : rows + reqs], idx[rows + reqs :]
         sub.logits[:m].copy_(rows_logits)
+        if sub.dirty > m:  # an earlier step's rows back to padding
+            sub.logits[m : sub.dirty].copy_(sub.pad_row.expand(sub.dirty - m, -1))
+        sub.dirty = m
         for name, buf in sub.row_index.items():
             torch.index_select(step[name], 0, row_sel, out=buf)
         torch.index_select(step["idx_mapping"], 0, req_sel, out=sub.idx_mapping)
