@@ -29,9 +29,16 @@ captured the second (an engine's steady state repeats its shapes), at most
 On the CPU (the Triton interpreter) there is no graph: the same table, copies and indirect
 launches run eagerly, so the CPU tests exercise everything except the capture itself.
 
+At TP > 1 the capture is split at the step's collectives (:class:`_Segments`): graph, eager
+collective, graph, ... -- each collective runs on its recorded input between the replays and its
+result is copied into the static buffer the next graph reads, so no NCCL call is ever captured
+and every rank runs the same collectives in the same order as the eager step. Plans whose
+kernels read the logits directly (strict mode's block statistics, the level histograms of top-p
+steps: :func:`reads_logits_directly`) replay on a static copy of the logits, copied in before
+each replay.
+
 Every captured step is bit-identical to the eager ``run`` on the same inputs (the GPU checks
-compare them); the plan must be one whose logits-reading kernels take INDIRECT launches
-(:meth:`GraphedStep.supported`).
+compare them); the plain path is not replayed (:meth:`GraphedStep.supported`).
 """
 
 from __future__ import annotations
