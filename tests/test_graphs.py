@@ -492,3 +492,47 @@ def test_gpu_graphs_split_at_the_collectives(mix: str, tp: int) -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert _equal(out, kept[-1])
+
+
+def test_failed_split_capture_restores_the_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture that fails inside a TP > 1 step (a host sync, an uncapturable launch) leaves the
+    shard's real collective in place, even when ending the invalidated capture raises too -- the
+    eager fallback then runs the real collective. CUDA's graph simulated on the CPU."""
+    import types
+
+    state = {"capturing": False, "invalid": False}
+
+    class FakeGraph:
+        def capture_begin(self, pool=None, capture_error_mode="global") -> None:
+            state["capturing"] = True
+
+        def capture_end(self) -> None:
+            assert state["capturing"], "capture_end while not capturing"
+            state["capturing"] = False
+            if state["invalid"]:
+                raise RuntimeError("operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+
+    class Pair:
+        world_size, rank = 2, 0
+
+        def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t])
+
+        def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+            return t
+
+    real = Pair()
+    ctx = types.SimpleNamespace(coll=real)
+
+    def body() -> None:
+        out = ctx.coll.all_gather_dim0(torch.zeros(2))
+        assert out.shape == (4,) and ctx.coll is not real  # split, not run
+        state["invalid"] = True
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError):
+        graphs._Segments(ctx).capture(body)
+    assert ctx.coll is real and not state["capturing"]

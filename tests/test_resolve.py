@@ -273,6 +273,18 @@ def test_captured_resolution_equals_the_whole_step(chain: NativeChain) -> None:
         res.verify_requests(b.logits[:8], np.array([1, 0]), **kw)
     with pytest.raises(ValueError, match="capacities"):
         CapturedResolution(chain, capacities=(2, 2))
+    # what the chain refuses is refused here too, also without checks
+    rows = b.logits[:4]
+    off = {**kw, "checks": False}
+    for method in ("block", "fly"):
+        with pytest.raises(NotImplementedError, match=method):
+            res.verify_requests(rows, np.array([0]), **{**off, "rejection_sample_method": method})
+    with pytest.raises(ValueError, match="synthetic_conditional_rates"):
+        res.verify_requests(rows, np.array([0]), **{**off, "rejection_sample_method": "synthetic"})
+    with pytest.raises(TypeError, match="unexpected arguments"):
+        res.verify_requests(rows, np.array([0]), **{**off, "temprature_gpu": None})
+    with pytest.raises(TypeError, match="rows_logits"):
+        res.verify_requests(rows.tolist(), np.array([0]), **off)
 
 
 def _only_first(kw, rows: int):

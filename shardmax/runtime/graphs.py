@@ -76,7 +76,9 @@ def batch_signature(batch: Any) -> tuple[Any, ...]:
 class _Captured:
     """One batch signature of one plan: the table, the static buffers and (on a GPU) the graph."""
 
-    def __init__(self, plan: Any, logits: torch.Tensor, batch: Any) -> None:
+    def __init__(
+        self, plan: Any, logits: torch.Tensor, batch: Any, static_logits: torch.Tensor | None = None
+    ) -> None:
         dev = logits.device
         self.plan, self.device = plan, dev
         # the batch's tensors, by position in the StepBatch: the table's input entries
@@ -97,16 +99,11 @@ class _Captured:
         self.graph: _Segments | None = None
         self.outputs: list[torch.Tensor] = []
         # plans whose kernels read the logits directly (level-histogram top-p, strict mode) run
-        # on a static copy of them (the caller's logits copied in before each replay)
-        self.direct = reads_logits_directly(plan)
-        self.static_logits: torch.Tensor | None = None
-        if self.direct:
-            rows, width = logits.shape
-            stride = max(int(plan.row_stride), width) if rows else width
-            self.static_logits = torch.empty((rows, stride), dtype=logits.dtype, device=dev)[
-                :, :width
-            ]
-            self.static_logits.copy_(logits)
+        # on a static copy of them (the caller's logits copied in before each replay), one per
+        # plan (GraphedStep.static_logits), shared by its batch signatures
+        self.static_logits = static_logits
+        if static_logits is not None:
+            static_logits.copy_(logits)
         self._set_table(len(self.host))
         side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         if side is not None:
@@ -260,8 +257,8 @@ class _Segments:
         try:
             res = body()
         finally:
+            self.ctx.coll = real  # first: ending an invalidated capture raises
             self._end()
-            self.ctx.coll = real
         return res
 
     def replay(self) -> None:
@@ -318,6 +315,7 @@ class GraphedStep:
             raise ValueError(f"plan: {reason}")
         self.plan = plan
         self._graphs: OrderedDict[tuple[Any, ...], _Captured] = OrderedDict()
+        self._static: torch.Tensor | None = None
         self._seen: dict[tuple[Any, ...], int] = {}
         self._failed: set[tuple[Any, ...]] = set()
 
@@ -369,7 +367,7 @@ class GraphedStep:
         if key in self._failed:
             return plan.run(local_logits, batch)
         try:
-            got = _Captured(plan, local_logits, batch)
+            got = _Captured(plan, local_logits, batch, self._static_logits(local_logits))
         except Exception as e:  # a launch or collective that cannot be captured: stay eager
             self._failed.add(key)
             warnings.warn(
@@ -384,6 +382,19 @@ class GraphedStep:
         if len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
         return got.run(local_logits, batch)
+
+    def _static_logits(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The plan's static copy of the logits (plans that read them directly), allocated once
+        with the plan's row stride: every captured signature of the plan replays on it."""
+        if not reads_logits_directly(self.plan):
+            return None
+        if self._static is None:
+            rows, width = logits.shape
+            stride = max(int(self.plan.row_stride), width) if rows else width
+            self._static = torch.empty((rows, stride), dtype=logits.dtype, device=logits.device)[
+                :, :width
+            ]
+        return self._static
 
     @property
     def num_graphs(self) -> int:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
@@ -78,6 +79,10 @@ _WORKSPACES = ("_TRITON_BUFFER_CACHE", "_TRITON_TABLE_CACHE", "_TRITON_SPLIT_CAC
 PAD_PEAK = 30.0
 """The padding rows' one logit above the rest (``exp(-30) * 262144 < 3e-8``: a nucleus of one
 token at any top-p)."""
+_STEP_ARGS = frozenset(inspect.signature(NativeChain.verify_requests).parameters) - {
+    "self", "rows_logits", "requests",
+}  # fmt: skip
+"""The step's arguments :meth:`NativeChain.verify_requests` takes."""
 _PERSISTENT = ("temperature_gpu", "seed_gpu", "top_k_gpu", "top_p_gpu", "min_p_gpu", "prefill_len")
 """vLLM's per-slot tensors the captured chain reads by address (part of the key)."""
 _INDEXED = ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos", "idx_mapping",
@@ -109,6 +114,7 @@ class _Sub:
         self.graph: Any = None
         self.out: ChainOutput | None = None
         self.keep: list[Any] = []  # what the graph reads and does not own
+        self.failed = False  # a capture failed: this key runs the padded chain eagerly
         self.steps = 0
 
 
@@ -162,7 +168,25 @@ class CapturedResolution:
     ) -> ChainOutput:
         """vLLM's answer for ``requests`` of a step: :meth:`NativeChain.verify_requests`'s
         arguments and result (``checks`` is honoured: with it every argument is checked first,
-        by the chain's own checks)."""
+        by the chain's own checks; the refusals of unsupported features and the argument names
+        are checked always, as by the chain).
+
+        Raises:
+            TypeError: an argument :meth:`NativeChain.verify_requests` does not take, or
+                ``rows_logits`` not a tensor.
+            NotImplementedError / ValueError: as :meth:`NativeChain.verify_requests`.
+        """
+        unknown = sorted(set(step) - _STEP_ARGS)
+        if unknown:
+            raise TypeError(f"verify_requests: unexpected arguments {unknown}")
+        if not isinstance(rows_logits, torch.Tensor):
+            raise TypeError(
+                f"rows_logits: expected a torch.Tensor, got {type(rows_logits).__name__}"
+            )
+        self.chain._refuse_unsupported(
+            None, step.get("rejection_sample_method", "standard"),
+            step.get("synthetic_conditional_rates"), False, None, None,
+        )  # fmt: skip
         device = rows_logits.device
         if not (self.padded or device.type == "cuda"):
             self.stats["eager"] += 1
@@ -178,7 +202,12 @@ class CapturedResolution:
             sub = self._sub(key, sub_args, {"logits": rows_logits, **step})
             self._fill(sub, rows_logits, index, m, step)
             sub.steps += 1
-            if sub.graph is None and device.type == "cuda" and sub.steps >= self.capture_after:
+            if (
+                sub.graph is None
+                and not sub.failed
+                and device.type == "cuda"
+                and sub.steps >= self.capture_after
+            ):
                 self._capture(sub, key, step)
             if sub.graph is not None:
                 sub.graph.replay()
@@ -352,8 +381,19 @@ class CapturedResolution:
             self._body(sub, key, step)  # warm-up on the capture stream (allocator, caches)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            sub.out = self._body(sub, key, step)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = self._body(sub, key, step)
+        except Exception as e:  # a launch that cannot be captured: this key stays eager
+            sub.failed = True
+            warnings.warn(
+                f"shardmax: CUDA-graph capture of the resolution failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''}); it runs eagerly",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        sub.out = out
         sub.keep = [dict(getattr(mod, name, {})) for name in _WORKSPACES]
         sub.graph = graph
         self.stats["captured"] += 1
