@@ -222,7 +222,9 @@ class VocabShard:
 
         Raises:
             ValueError: a plan of another shard, or one that cannot be replayed (the plain
-                path, strict mode: :meth:`GraphedStep.unsupported`).
+                path: :meth:`GraphedStep.unsupported`). Strict-mode and level-histogram top-p
+                plans replay on a static copy of the logits; at TP > 1 the graphs are split at
+                the collectives, which run eagerly between the replays.
         """
         if getattr(plan, "ctx", None) is not self.ctx:
             raise ValueError(f"plan: {type(plan).__name__} was not made by this shard")
