@@ -10,6 +10,7 @@ import os
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ def _worker(
         finally:
             dist.barrier()
             dist.destroy_process_group()
+        # the rank's checks passed and its group is gone: what follows is interpreter shutdown
+        Path(err_dir, f"done{rank}").touch()
     except BaseException:
         with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
@@ -71,6 +74,23 @@ def run_ranks(
                     )
         except AssertionError:
             raise
+        except mp.ProcessExitedException as e:
+            done = all(Path(tmp, f"done{r}").exists() for r in range(world_size))
+            if not (done and e.signal_name):
+                logs = [
+                    Path(tmp, p).read_text()
+                    for p in sorted(os.listdir(tmp))
+                    if p.startswith("rank")
+                ]
+                raise AssertionError("\n".join(logs) or str(e)) from e
+            # every rank finished its checks and tore its group down, then one died by a signal
+            # at interpreter shutdown (seen once under load: gloo's "terminate called without an
+            # active exception"): not what the test checks
+            warnings.warn(
+                f"a rank died at shutdown after passing: {e}", RuntimeWarning, stacklevel=2
+            )
+            for proc in ctx.processes:
+                proc.join(timeout=30)
         except Exception as e:
             logs = [
                 Path(tmp, p).read_text() for p in sorted(os.listdir(tmp)) if p.startswith("rank")
