@@ -51,7 +51,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -88,6 +88,31 @@ _PERSISTENT = ("temperature_gpu", "seed_gpu", "top_k_gpu", "top_p_gpu", "min_p_g
 _INDEXED = ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos", "idx_mapping",
             "seq_lens", "cu_num_logits")  # fmt: skip
 """The step's tensors gathered into the static buffers each step (their dtypes: the key)."""
+
+
+class _Key(NamedTuple):
+    """What a captured chain depends on besides its buffers' contents."""
+
+    rows: int  # padded logits rows
+    reqs: int  # request slots
+    k: int
+    vocab: int
+    dtype: torch.dtype
+    device: str
+    dtypes: tuple[torch.dtype, ...]  # of the step's _INDEXED tensors
+    gates: Any  # NativeChain._Gates, rows set to what decides vLLM's pipeline
+    pipeline: str
+    fp64: bool
+    persistent: tuple[Any, ...]  # (name, address, dtype, shape) of the _PERSISTENT tensors
+
+
+def _state(step: dict[str, Any]) -> Any:
+    """The chain's per-slot sampling state of a step's arguments (no checks)."""
+    return NativeChain._State(
+        step["temperature_gpu"], step["temperature_np"], step.get("top_k_gpu"),
+        step.get("top_k_np"), step.get("top_p_gpu"), step.get("top_p_np"), step.get("min_p_gpu"),
+        step.get("min_p_np"),
+    )  # fmt: skip
 
 
 class _Sub:
@@ -154,7 +179,7 @@ class CapturedResolution:
         self.capacities = caps
         self.padded = padded
         self.capture_after = capture_after
-        self._subs: OrderedDict[tuple[Any, ...], _Sub] = OrderedDict()
+        self._subs: OrderedDict[_Key, _Sub] = OrderedDict()
         self._pool: Any = None
         self._lock = threading.Lock()
         self.stats = {"captured": 0, "replayed": 0, "padded_eager": 0, "eager": 0}
@@ -223,7 +248,7 @@ class CapturedResolution:
 
     def _plan(
         self, rows_logits: torch.Tensor, requests: np.ndarray, step: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], tuple[int, int], np.ndarray, int, int] | None:
+    ) -> tuple[_Key, tuple[int, int], np.ndarray, int, int] | None:
         """(key, (rows, reqs) capacity, the packed host index array, n, m) or None: eager."""
         if step.get("synthetic_conditional_rates") is not None:
             return None  # not captured on the GPU checks: the eager chain
@@ -243,11 +268,7 @@ class CapturedResolution:
         if int(req[-1]) >= end:
             return None  # flagged requests in several chunks
         chunk_rows = int(cu_np[end] - cu_np[start])
-        state = NativeChain._State(
-            step["temperature_gpu"], step["temperature_np"], step.get("top_k_gpu"),
-            step.get("top_k_np"), step.get("top_p_gpu"), step.get("top_p_np"),
-            step.get("min_p_gpu"), step.get("min_p_np"),
-        )  # fmt: skip
+        state = _state(step)
         slots = np.asarray(step["idx_mapping_np"])[start:end]
         gates = NativeChain._gates(slots, state, vocab, chunk_rows)
         pipeline = chain.topp_pipeline_for(
@@ -291,7 +312,7 @@ class CapturedResolution:
             rows_key = rows
         else:
             rows_key = threshold + 1 if chunk_rows > threshold else chunk_rows
-        key = (
+        key = _Key(
             rows, reqs, k, vocab, rows_logits.dtype, str(rows_logits.device), dtypes,
             replace(gates, rows=rows_key), pipeline, bool(step.get("use_fp64_gumbel", False)),
             persistent,
@@ -322,7 +343,7 @@ class CapturedResolution:
 
     # ---- buffers, body, capture ------------------------------------------------------------
 
-    def _sub(self, key: tuple[Any, ...], cap: tuple[int, int], like: dict[str, Any]) -> _Sub:
+    def _sub(self, key: _Key, cap: tuple[int, int], like: dict[str, Any]) -> _Sub:
         sub = self._subs.get(key)
         if sub is None:
             if len(self._subs) >= MAX_GRAPHS:
@@ -349,27 +370,23 @@ class CapturedResolution:
         torch.index_select(step["seq_lens"], 0, req_sel, out=sub.seq_lens)
         sub.cu.copy_(cu)
 
-    def _body(self, sub: _Sub, key: tuple[Any, ...], step: dict[str, Any]) -> ChainOutput:
+    def _body(self, sub: _Sub, key: _Key, step: dict[str, Any]) -> ChainOutput:
         """The chain on ``sub``'s buffers: ``_verify``'s one chunk as vLLM runs it."""
-        gates = key[7]
+        gates = key.gates
         chain = self.chain
-        state = NativeChain._State(
-            step["temperature_gpu"], step["temperature_np"], step.get("top_k_gpu"),
-            step.get("top_k_np"), step.get("top_p_gpu"), step.get("top_p_np"),
-            step.get("min_p_gpu"), step.get("min_p_np"),
-        )  # fmt: skip
+        state = _state(step)
         chunk = _Chunk(
             sub.logits, sub.row_index["draft_sampled"], sub.cu, sub.row_index["pos"],
             sub.idx_mapping, sub.row_index["expanded_idx_mapping"],
             sub.row_index["expanded_local_pos"], gates,
         )  # fmt: skip
         return chain._rejection(
-            [chunk], state, int(sub.logits.shape[1]), int(key[2]), step["temperature_gpu"],
+            [chunk], state, int(sub.logits.shape[1]), key.k, step["temperature_gpu"],
             step["seed_gpu"], None, bool(step.get("use_fp64_gumbel", False)), sub.seq_lens,
             sub.cu, sub.idx_mapping, step["prefill_len"],
         )  # fmt: skip
 
-    def _capture(self, sub: _Sub, key: tuple[Any, ...], step: dict[str, Any]) -> None:
+    def _capture(self, sub: _Sub, key: _Key, step: dict[str, Any]) -> None:
         """Capture the chain on ``sub`` (its buffers already filled; the earlier padded eager
         run compiled vLLM's kernels and filled its caches), holding vLLM's workspaces."""
         mod = self.chain.modules.topk_topp
