@@ -112,7 +112,7 @@ def _shardmax_step(
     ``graphed``, else ``plan.run``); with ``resolve = (chain, verify_inputs)`` also the flagged
     requests resolved per request; ``topp``: a top-p pipeline (level histograms, eager). Returns
     the result."""
-    from shardmax.ops.resolve import apply_resolved, flagged_requests, gather_rows, request_rows
+    from shardmax.ops.resolve import flagged_requests, gather_rows, resolve_requests
     from shardmax.plan import VocabShard
     from shardmax.runtime.validation import check_step_batch
 
@@ -143,10 +143,10 @@ def _shardmax_step(
             chain, kw = resolve
             req, _ = flagged_requests(res)  # the plug-in's one host read
             if req.size:
-                rows_np = request_rows(kw["cu_num_logits_np"], req)
-                full = gather_rows(shard.ctx, logits, rows_np)
-                sub = chain.verify_requests(full, req, **{**kw, "checks": False})
-                apply_resolved(res, req, sub.sampled, sub.num_sampled, sub.num_rejected)
+                resolve_requests(
+                    res, req, lambda rows: gather_rows(shard.ctx, logits, rows), chain,
+                    {**kw, "checks": False},
+                )  # fmt: skip
         return res
 
     return step

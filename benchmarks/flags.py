@@ -5,7 +5,7 @@ realistic_batch`: LM entropy profile, drafts the top token 80 % of the time), em
 on one GPU, fast and strict mode, every candidate count ``C`` the kernels take: the share of
 requests the step flags (they are resolved per request, :mod:`shardmax.ops.resolve`), the flag
 reasons, and the bytes one rank sends per step -- its records and candidates (one all_gather)
-plus its shard of the flagged requests' rows (the resolution's all_gather) -- as a share of what
+plus its shard of the rows the resolution gathers (its all_gather) -- as a share of what
 it sends in the full-logits all-gather (its ``[rows, W]`` shard). A whole-step native re-run is
 never needed (resolution has no capacity limit in the eager plug-in), so its rate is 0 by
 construction and not reported.
@@ -15,7 +15,10 @@ Two paths for the top-p rows: ``candidates`` (every C the kernels take, fast and
 all_gather, the kept sets are replayed on every rank with vLLM 0.33's pipeline for the step's
 row count, and the draw is masked to them; its bytes add the second, small exchange of the draw
 keys). With an extracted vLLM 0.33 tree (``SHARDMAX_VLLM_KERNELS``) the histogram path's
-unflagged requests are compared with vLLM's own chain on the full logits (``oracle_mismatch``).
+requests are compared with vLLM's own chain on the full logits, the flagged ones after their
+per-request resolution (``oracle_mismatch``). The gathered rows counted in the bytes are the ones
+the resolution gathers (``VerifyResult.need``: a flagged request's rows the step could not
+certify, :func:`shardmax.ops.resolve.resolution_rows`).
 
     python -m benchmarks.flags [--seeds 20] [--vocab 151936,200064] [--reqs 8,40] [--tp 2,4,8]
         [--paths candidates,histogram] [--out benchmarks/results/<arch>]
@@ -63,7 +66,7 @@ def _record_words(full: torch.Tensor, tp: int, mode: str, candidates: int) -> in
 def run_case(
     vocab: int, tp: int, reqs: int, seeds: int, candidates: tuple[int, ...], device: str = "cuda"
 ) -> list[dict]:
-    from shardmax.ops.resolve import flagged_requests, request_rows
+    from shardmax.ops.resolve import flagged_requests, resolution_rows
     from shardmax.ops.sampled import FallbackReason
     from shardmax.testing.emulate_sampled import emulate_verify
     from shardmax.testing.traffic import realistic_batch
@@ -91,13 +94,13 @@ def run_case(
                     }  # fmt: skip
                 st["req"] += int(req.size)
                 st["steps"] += int(req.size > 0)
-                st["rows"] += int(request_rows(cu_np, req).size)
+                st["rows"] += int(resolution_rows(res, cu_np, req)[1].sum())  # gathered
                 st["why"].update(FallbackReason(int(x)).name for x in codes)
     del rows
     total_req, total_rows = reqs * seeds, reqs * 4 * seeds
     for (mode, c), st in stats.items():
         rec = 8 * st["words"]
-        gathered = 2 * width * st["rows"] / seeds  # bf16 shard of the flagged rows, per step
+        gathered = 2 * width * st["rows"] / seeds  # bf16 shard of the gathered rows, per step
         full = 2 * width * reqs * 4
         out.append(
             {
@@ -140,8 +143,8 @@ def run_hist_case(
     vocab: int, tp: int, reqs: int, seeds: int, chain: Any, device: str = "cuda"
 ) -> dict:
     """The histogram path on ``seeds`` realistic top-p steps: flags, bytes, and (with ``chain``)
-    unflagged requests that differ from vLLM 0.33's chain on the full logits."""
-    from shardmax.ops.resolve import flagged_requests, request_rows
+    requests that differ from vLLM 0.33's chain on the full logits (the flagged ones resolved)."""
+    from shardmax.ops.resolve import flagged_requests, resolution_rows, resolve_requests
     from shardmax.ops.sampled import FallbackReason, SampledVerifyPlan
     from shardmax.reference.nucleus_replay import ReplayReason, pipeline_for
     from shardmax.runtime.validation import check_step_batch
@@ -164,8 +167,7 @@ def run_hist_case(
             SampledVerifyPlan(c, rows, _stride(shards[0].local_logits), topp=config) for c in ctxs
         ]
         if not words:
-            ms = 2 * (1 + plans[0].use_fp64_gumbel)
-            words = plans[0].n_words + plans[0].draw_launch(reqs).splits * reqs * ms
+            words = plans[0].n_words + plans[0].draw_words(reqs)
         batch = check_step_batch(
             rows, b.logits.device, b.draft_sampled, b.cu_num_logits, b.pos, b.idx_mapping,
             b.expanded_local_pos, b.seed, 3, None, None, None, temperature=b.temperature,
@@ -183,16 +185,21 @@ def run_hist_case(
                 first = uncert[0] if uncert else -1
                 replay_why[ReplayReason(first).name if 0 < first < 7 else str(first)] += 1
         flagged += int(req.size)
-        flagged_rows += int(request_rows(b.cu_num_logits.cpu().numpy(), req).size)
+        flagged_rows += int(resolution_rows(res, cu_np, req)[1].sum())  # the rows gathered
         steps_flagged += int(req.size > 0)
         why.update(FallbackReason(int(x)).name for x in codes)
         if chain is not None:
             from benchmarks.engine import _mismatches
+            from shardmax.testing.replayed import full_rows
 
-            whole = chain.verify(b.logits, **verify_inputs(b))
+            kw = verify_inputs(b)
+            whole = chain.verify(b.logits, **kw)
+            # the flagged requests resolved as the plug-in resolves them (their uncertified rows
+            # gathered, synthetic rows for the certified ones): every request compared
+            resolve_requests(res, req, full_rows(b.logits), chain, kw)
             bad, _ = _mismatches(res, whole)
             mismatch += bad
-            compared += reqs - int(req.size)
+            compared += reqs
     rec = 8 * words
     gathered = 2 * width * flagged_rows / seeds
     full = 2 * width * rows
@@ -252,7 +259,7 @@ def summary(rows: list[dict]) -> str:
     lines = [
         "# Flags and bytes on realistic T = 1 / top-p 0.95 traffic (issue 18)", "",
         "| V | TP | rows | path | mode | C | requests flagged | steps with a flag | rows gathered "
-        "| record B / rank | bytes vs all-gather | unflagged != vLLM 0.33 | reasons | replay reasons |",
+        "| record B / rank | bytes vs all-gather | != vLLM 0.33 (flagged: resolved) | reasons | replay reasons |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:

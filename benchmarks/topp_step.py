@@ -58,7 +58,7 @@ PATHS = ("shardmax-hist", "shardmax-hist-eager", "shardmax-cand", "vllm")
 def _paths(
     b: Any, tp: int, chain: Any, resolver: Any, kw: dict[str, Any], paths: tuple[str, ...] = PATHS
 ) -> dict[str, Callable[[], Any]]:
-    from shardmax.ops.resolve import apply_resolved, flagged_requests, gather_rows, request_rows
+    from shardmax.ops.resolve import flagged_requests, gather_rows, resolve_requests
     from shardmax.ops.sampled import SampledVerifyPlan
     from shardmax.reference.nucleus_replay import pipeline_for
     from shardmax.runtime.graphs import GraphedStep
@@ -112,10 +112,9 @@ def _paths(
             res = step0.run(local0, batch)
             req, _ = flagged_requests(res)  # the plug-in's host read of the flags
             if req.size:
-                rows_np = request_rows(cu_np, req)
-                full = gather_rows(plan0.ctx, local0, rows_np)
-                sub = resolve.verify_requests(full, req, **kw)
-                apply_resolved(res, req, sub.sampled, sub.num_sampled, sub.num_rejected)
+                resolve_requests(
+                    res, req, lambda rows: gather_rows(plan0.ctx, local0, rows), resolve, kw
+                )
             return res, int(req.size)
 
         out[name] = call

@@ -30,10 +30,21 @@ import pytest
 import torch
 
 from shardmax.integrations.vllm.resolution import CapturedResolution
-from shardmax.ops.resolve import apply_resolved, flagged_requests, gather_rows, request_rows
-from shardmax.ops.sampled import VerifyResult
+from shardmax.ops.resolve import (
+    SYNTHETIC_GAP,
+    SYNTHETIC_MAX_TEMPERATURE,
+    apply_resolved,
+    flagged_requests,
+    gather_rows,
+    request_rows,
+    resolution_logits,
+    resolution_rows,
+    resolve_requests,
+)
+from shardmax.ops.sampled import FallbackReason, VerifyResult
 from shardmax.runtime.geometry import Geometry
 from shardmax.runtime.shard import ShardContext
+from shardmax.testing.replayed import full_rows
 from shardmax.testing.traffic import realistic_batch
 from shardmax.testing.vllm_chain import NativeChain, verify_inputs
 
@@ -171,6 +182,80 @@ def test_stage_takes_read_only_arrays() -> None:
     assert stage(a, torch.device("cpu")).tolist() == [0, 1, 2, 3, 4]
 
 
+def _planted(row3: str, topp: bool):
+    """Two T = 1 requests, K = 4, V = 512 (rows 0-4, 5-9): request 0's rows 0-1 hold their draft
+    40 above every other id (certified accepts), row 2 a NaN (NON_FINITE: its first flagged row),
+    row 3 its draft 40 above the rest (``accept``) or 40 below another id (``reject``), row 4 the bonus
+    row (one id 40 above the rest); request 1 certified accepts throughout (not flagged)."""
+    b = realistic_batch(2, 4, 512, seed=7, mix="top_p" if topp else "temperature")
+    logits = torch.zeros(10, 512)
+    draft = b.draft_sampled.long()
+    for row in range(10):
+        d = 100 + row if row in (4, 9) else int(draft[row + 1])  # bonus rows: a peak too
+        if row == 3 and row3 == "reject":
+            d = (d + 1) % 512  # the peak on another id: the draft 40 below it
+        logits[row, d] = 40.0
+    logits[2, 17] = float("nan")
+    b.logits = logits.to(torch.bfloat16)
+    b.temperature[b.idx_mapping.long()] = 1.0
+    return b
+
+
+@pytest.mark.parametrize("topp", [False, True], ids=["temperature", "top_p"])
+@pytest.mark.parametrize("row3,want", [("reject", [2, 3]), ("accept", [2, 4])])
+def test_need_names_the_rows_a_resolution_gathers(row3: str, want: list[int], topp: bool) -> None:
+    """The finish's ``need`` on planted rows: the first flagged row, then the later rows up to the
+    first certified stop except certified accepts; nothing of an unflagged request."""
+    from shardmax.reference.nucleus_replay import pipeline_for
+    from shardmax.testing.emulate_sampled import emulate_verify
+
+    b = _planted(row3, topp)
+    config = pipeline_for(10, "cuda", "0.33") if topp else None
+    res = emulate_verify(b.logits, 2, *b.sampled_args(), **b.sampling_kwargs(), topp=config)
+    req, why = flagged_requests(res)
+    assert req.tolist() == [0] and why.tolist() == [FallbackReason.NON_FINITE], (req, why)
+    rows, gather = resolution_rows(res, b.cu_num_logits.numpy(), req)
+    assert rows[gather].tolist() == want
+    # a temperature above SYNTHETIC_MAX_TEMPERATURE: every row of the request is gathered (a
+    # NaN in its first row flags it; row 1 is a certified rejection there, the stop otherwise)
+    b.temperature[int(b.idx_mapping[0])] = 2 * SYNTHETIC_MAX_TEMPERATURE  # request 0 only
+    b.logits[0, 17] = float("nan")
+    res = emulate_verify(b.logits, 2, *b.sampled_args(), **b.sampling_kwargs(), topp=config)
+    req, _ = flagged_requests(res)
+    rows, gather = resolution_rows(res, b.cu_num_logits.numpy(), req)
+    assert req.tolist() == [0] and bool(gather.all()) and rows.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_resolution_logits_synthetic_rows(dtype) -> None:
+    vocab, width, tp = 300, 160, 2  # vLLM's layout: [m, tp * W] viewed as [m, V]
+    cu = np.array([0, 3, 5, 8])
+    idx_np = np.array([4, 0, 2])
+    draft = torch.tensor([9, 11, 12, 99, 21, 22, 31, 32, 299, 5], dtype=torch.int32)
+    temp = torch.tensor([0.0, 0.0, 0.5, 0.0, 3.0])  # slots 4, 0, 2 -> T 3, 0, 0.5
+    req = np.array([0, 2])  # rows 0 1 2 | 5 6 7
+    gather = np.array([False, True, False, False, False, True])
+    real = torch.arange(2 * tp * width, dtype=dtype).view(2, tp * width)[:, :vocab]
+    out = resolution_logits(real, gather, req, cu, idx_np, draft, temp)
+    assert out.shape == (6, vocab) and out.stride(0) == tp * width and out.dtype == dtype
+    assert torch.equal(out[1], real[0]) and torch.equal(out[5], real[1])
+    for i, (row, t) in enumerate([(0, 3.0), (2, 3.0), (5, 0.5), (6, 0.5)]):
+        at = [0, 2, 3, 4][i]
+        tok = int(draft[min(row + 1, 9)])
+        want = torch.full((vocab,), -SYNTHETIC_GAP * max(1.0, t), dtype=dtype)
+        want[tok] = 0
+        assert torch.equal(out[at], want), (row, out[at])
+    # every row gathered: the gathered tensor itself
+    assert (
+        resolution_logits(real, np.array([True, True]), np.array([1]), cu, idx_np, draft, temp)
+        is real
+    )
+    with pytest.raises(ValueError, match="gather"):
+        resolution_logits(real, gather[:5], req, cu, idx_np, draft, temp)
+    with pytest.raises(ValueError, match="gathered"):
+        resolution_logits(real[:1], gather, req, cu, idx_np, draft, temp)
+
+
 # --------------------------------------------------------------------------------------------
 # CPU, vLLM's kernels (interpreter)
 # --------------------------------------------------------------------------------------------
@@ -287,6 +372,37 @@ def test_captured_resolution_equals_the_whole_step(chain: NativeChain) -> None:
         res.verify_requests(rows.tolist(), np.array([0]), **off)
 
 
+@pytest.mark.e2e
+@by_version
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_vllm_accepts_every_synthetic_row(chain: NativeChain, dtype) -> None:
+    """The premise of synthetic rows (shardmax.ops.resolve): on rows that are all synthetic --
+    each draft 40 max(1, T) above every other id -- vLLM's chain accepts every draft, for every
+    uniform draw (8 requests x 3 drafts x 3 seeds), greedy and T from 0.01 to
+    SYNTHETIC_MAX_TEMPERATURE, with top-k 1 / 2, top-p and min-p on, on the fp32 copy."""
+    vocab, num_reqs = 512, 8
+    for seed in range(3):
+        b = realistic_batch(num_reqs, 3, vocab, seed=seed, mix="top_p", dtype=dtype)
+        slots = b.idx_mapping.long()
+        temp = b.temperature.clone()
+        temp[slots] = torch.tensor([0.0, 0.01, 0.7, 1.0, 1.0, 2.0, 50.0, SYNTHETIC_MAX_TEMPERATURE])
+        top_k = torch.full((temp.numel(),), vocab, dtype=torch.int32)
+        top_k[slots[2:4]] = torch.tensor([1, 2], dtype=torch.int32)
+        min_p = torch.zeros_like(temp)
+        min_p[slots[5]] = 0.1
+        kw = verify_inputs(b, temperature=temp, top_k=top_k, min_p=min_p)
+        req = np.arange(num_reqs)
+        m = int(kw["cu_num_logits_np"][-1])
+        synthetic = resolution_logits(
+            b.logits[:0], np.zeros(m, dtype=bool), req, kw["cu_num_logits_np"],
+            kw["idx_mapping_np"], kw["draft_sampled"], kw["temperature_gpu"],
+        )  # fmt: skip
+        out = chain.verify(synthetic, **kw)
+        assert out.num_rejected.tolist() == [0] * num_reqs, (seed, out.num_rejected)
+        drafts = b.draft_sampled.long().view(num_reqs, 4)[:, 1:]
+        assert torch.equal(out.sampled[:, :3].long().cpu(), drafts), seed
+
+
 def _only_first(kw, rows: int):
     """The step's arguments restricted to request 0 (its own step)."""
     return {
@@ -328,7 +444,8 @@ def test_verify_requests_bad_input(chain: NativeChain) -> None:
 
 def resolve_step(chain, b, kw, tp: int, mode: str, device="cpu", resolver=None):
     """Emulated TP sharded verification of a realistic step, flagged requests resolved from their
-    gathered rows (here: the full tensor's rows -- gather_rows' layout is tested above).
+    rows (the rows the step could not certify, here from the full tensor -- gather_rows' layout
+    is tested above; synthetic rows for the others).
     Returns (result, flagged requests)."""
     from shardmax.testing.emulate_sampled import emulate_verify
 
@@ -338,10 +455,13 @@ def resolve_step(chain, b, kw, tp: int, mode: str, device="cpu", resolver=None):
         top_p=b.top_p, seq_lens=kw["seq_lens"], prefill_len=kw["prefill_len"], mode=mode,
     )  # fmt: skip
     req, _ = flagged_requests(res)
-    rows = torch.from_numpy(request_rows(kw["cu_num_logits_np"], req)).to(b.logits.device)
-    sub = (resolver or chain).verify_requests(b.logits[rows], req, **kw)
-    apply_resolved(res, req, *sub)
+    gathered = resolve_requests(res, req, full_rows(b.logits), resolver or chain, kw)
+    _GATHERED.append((int(gathered.size), int(request_rows(kw["cu_num_logits_np"], req).size)))
     return res, req
+
+
+_GATHERED: list[tuple[int, int]] = []
+"""(rows gathered, rows of the flagged requests) of every resolve_step call."""
 
 
 @pytest.mark.e2e
@@ -349,6 +469,7 @@ def resolve_step(chain, b, kw, tp: int, mode: str, device="cpu", resolver=None):
 @pytest.mark.parametrize("tp,mode", [(2, "fast"), (4, "strict")])
 def test_realistic_top_p_step_resolved_equals_vllm(chain: NativeChain, tp: int, mode: str) -> None:
     flagged = total = 0
+    _GATHERED.clear()
     for seed in (0, 1):
         b = realistic_batch(8, 3, 1024, seed=seed, mix="top_p")
         kw = verify_inputs(b)
@@ -358,8 +479,13 @@ def test_realistic_top_p_step_resolved_equals_vllm(chain: NativeChain, tp: int, 
         _assert_same(res, whole, f"vLLM {chain.version} TP{tp} {mode} seed {seed}")
         flagged += int(req.size)
         total += int(b.cu_num_logits.numel() - 1)
-    print(f"[resolve] vLLM {chain.version} TP{tp} {mode}: {flagged}/{total} requests resolved")
+    gathered, rows = (sum(g[i] for g in _GATHERED) for i in (0, 1))
+    print(
+        f"[resolve] vLLM {chain.version} TP{tp} {mode}: {flagged}/{total} requests resolved, "
+        f"{gathered} of their {rows} rows gathered"
+    )
     assert flagged > 0  # realistic top-p traffic: the resolution really ran
+    assert gathered < rows  # and some rows were certified (synthetic rows in the resolution)
 
 
 # --------------------------------------------------------------------------------------------

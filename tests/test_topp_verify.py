@@ -282,8 +282,9 @@ def test_topp_steps_equal_vllm_on_gpu(case) -> None:
     (:meth:`NativeChain.verify_requests`) the whole step does."""
     import os
 
-    from shardmax.ops.resolve import apply_resolved, flagged_requests, request_rows
+    from shardmax.ops.resolve import flagged_requests, resolve_requests
     from shardmax.reference.nucleus_replay import pipeline_for
+    from shardmax.testing.replayed import full_rows
     from shardmax.testing.vllm_chain import NativeChain, verify_inputs
     from tests._twice import twice
 
@@ -308,8 +309,7 @@ def test_topp_steps_equal_vllm_on_gpu(case) -> None:
             what = (chain.version, case, seed)
             _same_as_vllm(res, whole, ~res.fallback.cpu(), what)  # unflagged: vLLM's answers
             req, codes = flagged_requests(res)
-            idx = torch.from_numpy(request_rows(kw["cu_num_logits_np"], req)).to(b.logits.device)
-            apply_resolved(res, req, *chain.verify_requests(b.logits[idx], req, **kw))
+            resolve_requests(res, req, full_rows(b.logits), chain, kw)
             _same_as_vllm(res, whole, torch.ones(num_reqs, dtype=torch.bool), what)
             flagged[chain.version] = flagged.get(chain.version, 0) + int(req.size)
             for c in codes:

@@ -7,20 +7,41 @@ re-running the whole step on the all-gathered logits, the caller resolves only t
 
 1. :func:`flagged_requests` -- which requests and why (one device->host read of the codes, identical on
    every rank, so every rank takes the same branch);
-2. :func:`request_rows` -- their logits rows (host arithmetic on ``cu_num_logits_np``);
-3. :func:`gather_rows` -- those rows' full-vocabulary logits: one ``all_gather`` of ``m`` rows
-   of the local shard (``m * W`` elements per rank, instead of ``num_logits * W`` for the whole
-   step), laid out as vLLM's ``compute_logits`` lays out the gathered logits (``[m, tp * W]``
-   viewed as ``[m, V]``);
-4. a resolver that applies vLLM's semantics to those rows exactly as inside the whole step (the
+2. :func:`resolution_rows` -- their logits rows (:func:`request_rows`, host arithmetic on
+   ``cu_num_logits_np``) and which of them must be gathered (``VerifyResult.need``, one more
+   small read): a flagged request's rows up to its first flagged one were accepted with
+   certified decisions, and so may later rows be; only the others cross the ranks;
+3. :func:`gather_rows` -- those rows' full-vocabulary logits: one ``all_gather`` of ``m'`` rows
+   of the local shard (``m' * W`` elements per rank, instead of ``num_logits * W`` for the whole
+   step), laid out as vLLM's ``compute_logits`` lays out the gathered logits (``[m', tp * W]``
+   viewed as ``[m', V]``);
+4. :func:`resolution_logits` -- the requests' ``[m, V]`` rows: the gathered ones, and for every
+   certified row a *synthetic* row (its draft far above every other id) on which vLLM's chain
+   surely accepts the draft, as it does on the real row;
+5. a resolver that applies vLLM's semantics to those rows exactly as inside the whole step (the
    vLLM plug-in uses :meth:`shardmax.integrations.vllm.chain.NativeChain.verify_requests`, vLLM's own
    kernels with the whole step's per-chunk decisions);
-5. :func:`apply_resolved` -- the answers written into the step's outputs, flags cleared.
+6. :func:`apply_resolved` -- the answers written into the step's outputs, flags cleared.
 
-Every rank calls 3.-5. with the same ``requests`` (collective), after 1.
+Every rank calls 3.-6. with the same ``requests`` (collective), after 1. and 2.
+
+Why a synthetic row gives the real row's answer: the resolution only needs vLLM's decision on a
+certified row -- the draft is accepted -- because a request's outcome is its accepted prefix and
+the token drawn at the first rejected row (or the bonus row), and every drawing row is gathered.
+On a row whose draft ``d`` sits at 0 and every other id at ``-40 max(1, T)`` (model dtype; ``T <=``
+:data:`SYNTHETIC_MAX_TEMPERATURE`), vLLM's processed row (temperature, then top-k / top-p / min-p,
+which all keep the unique maximum) has every other id at least 40 below ``d``: its fp32 ``sum
+exp`` is exactly 1 (``262144 exp(-40) < 2**-25``), so ``log p(d) = 0`` and ``p(d) = 1``. vLLM
+0.33 accepts iff ``log p(d) > log u`` with ``u`` in ``(0, 1)`` -- for a real row it accepted,
+``log u < log p(d) <= 0``, so it accepts the synthetic row for the same ``u`` (keyed by ``(seed,
+pos)``, unchanged); vLLM 0.32 accepts iff ``p(d) >= u`` (``u < 1``); greedy rows accept iff the
+argmax is ``d``. Rows after a certified stop are never reached; they are synthetic too.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,13 +50,24 @@ from shardmax.ops.sampled import VerifyResult
 from shardmax.runtime.shard import ShardContext
 
 __all__ = [
+    "SYNTHETIC_GAP",
+    "SYNTHETIC_MAX_TEMPERATURE",
     "apply_resolved",
     "check_requests",
     "flagged_requests",
     "gather_rows",
     "request_rows",
+    "resolution_logits",
+    "resolution_rows",
+    "resolve_requests",
     "stage",
 ]
+
+SYNTHETIC_GAP = 40.0
+"""A synthetic row's other ids sit ``SYNTHETIC_GAP * max(1, T)`` below its draft (module doc)."""
+SYNTHETIC_MAX_TEMPERATURE = 1000.0
+"""Above it (or NaN) no row of a request is synthetic (``sampled_finish_*`` marks every row to
+gather): ``40 T`` must stay finite in fp16 (65504)."""
 
 
 def stage(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -76,6 +108,89 @@ def request_rows(cu_num_logits_np: np.ndarray, requests: np.ndarray) -> np.ndarr
     if req.size == 0:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate([np.arange(cu[r], cu[r + 1], dtype=np.int64) for r in req])
+
+
+def resolution_rows(
+    result: VerifyResult, cu_num_logits_np: np.ndarray, requests: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, gather)``: int64 ``[m]`` every logits row of ``requests`` in order
+    (:func:`request_rows`) and bool ``[m]`` which of them the resolution must gather
+    (``result.need``, written by the finish: see its kernel's docstring; every row when
+    ``result.need`` is None). One device->host copy of ``need`` (``[num_logits]`` int8), made
+    after :func:`flagged_requests`' read, so it waits for nothing.
+
+    Raises:
+        ValueError / TypeError: as :func:`request_rows`; ``result.need`` shorter than the rows.
+    """
+    rows = request_rows(cu_num_logits_np, requests)
+    if result.need is None or rows.size == 0:
+        return rows, np.ones(rows.size, dtype=bool)
+    need = result.need.detach().to("cpu").numpy()
+    if need.shape[0] <= int(rows[-1]):
+        raise ValueError(
+            f"result.need: expected [num_logits >= {int(rows[-1]) + 1}], got {need.shape}"
+        )
+    return rows, need[rows] != 0
+
+
+def resolution_logits(
+    gathered: torch.Tensor,
+    gather: np.ndarray,
+    requests: np.ndarray,
+    cu_num_logits_np: np.ndarray,
+    idx_mapping_np: np.ndarray,
+    draft_sampled: torch.Tensor,
+    temperature: torch.Tensor,
+) -> torch.Tensor:
+    """The ``[m, V]`` logits rows of ``requests`` a resolver verifies: the gathered rows where
+    ``gather`` is set, a synthetic row elsewhere (module doc: the row's draft at 0, every other
+    id at ``-SYNTHETIC_GAP * clamp(T, 1, SYNTHETIC_MAX_TEMPERATURE)`` in the model dtype).
+
+    Args:
+        gathered: ``[m', V]`` the rows :func:`gather_rows` returned for ``rows[gather]`` (model
+            dtype, ``stride(-1) == 1``).
+        gather: bool ``[m]`` (:func:`resolution_rows`).
+        requests: int ``[n]`` the resolved requests; ``cu_num_logits_np`` ``[num_reqs + 1]`` and
+            ``idx_mapping_np`` ``[num_reqs]`` the step's (host).
+        draft_sampled: ``[num_logits]`` the step's drafts (row ``g`` verifies ``draft_sampled[g +
+            1]``); ``temperature``: fp32 ``[max_num_reqs]`` per request-state slot (device).
+
+    Returns:
+        ``gathered`` itself when every row is gathered; else a new ``[m, V]`` tensor with
+        ``gathered``'s row stride (vLLM's ``compute_logits`` layout when it has it).
+
+    Raises:
+        ValueError: ``gather`` not ``[m]`` booleans with ``gathered.shape[0]`` set, or
+            ``gathered`` not ``[m', V]``.
+    """
+    rows = request_rows(cu_num_logits_np, requests)
+    m = int(rows.size)
+    keep = np.asarray(gather)
+    if keep.shape != (m,) or keep.dtype != np.bool_:
+        raise ValueError(f"gather: expected bool [{m}], got {keep.dtype} {list(keep.shape)}")
+    if gathered.dim() != 2 or gathered.shape[0] != int(keep.sum()):
+        raise ValueError(
+            f"gathered: expected [{int(keep.sum())}, V] (the rows to gather), got "
+            f"{list(gathered.shape)}"
+        )
+    if bool(keep.all()):
+        return gathered
+    vocab, dev = gathered.shape[1], gathered.device
+    counts = np.diff(np.asarray(cu_num_logits_np, dtype=np.int64))[
+        check_requests(requests, len(cu_num_logits_np) - 1)
+    ]
+    slots = np.repeat(np.asarray(idx_mapping_np, dtype=np.int64)[requests], counts)
+    nxt = np.minimum(rows + 1, draft_sampled.shape[0] - 1)
+    idx = stage(np.concatenate([nxt, slots, np.flatnonzero(keep)]), dev)
+    token = draft_sampled.index_select(0, idx[:m]).clamp(0, vocab - 1).long()
+    temp = temperature.index_select(0, idx[m : 2 * m]).clamp(1.0, SYNTHETIC_MAX_TEMPERATURE)
+    width = max(vocab, gathered.stride(0)) if gathered.shape[0] else vocab
+    out = torch.empty((m, width), dtype=gathered.dtype, device=dev)[:, :vocab]
+    out.copy_((temp * -SYNTHETIC_GAP).to(gathered.dtype)[:, None].expand(m, vocab))
+    out.scatter_(1, token[:, None], torch.zeros((m, 1), dtype=gathered.dtype, device=dev))
+    if gathered.shape[0]:
+        out.index_copy_(0, idx[2 * m :], gathered)
+    return out
 
 
 def check_requests(requests: np.ndarray, num_reqs: int) -> np.ndarray:
@@ -190,3 +305,32 @@ def apply_resolved(
     result.fallback.index_fill_(0, idx, False)
     result.reason.index_fill_(0, idx, 0)
     return result
+
+
+def resolve_requests(
+    result: VerifyResult,
+    requests: np.ndarray,
+    fetch_rows: Callable[[np.ndarray], torch.Tensor],
+    resolver: Any,
+    inputs: Mapping[str, Any],
+) -> np.ndarray:
+    """Steps 2.-6. for the flagged ``requests`` of ``result`` (in place): which rows to gather
+    (:func:`resolution_rows`), ``fetch_rows(rows)`` -> their ``[m', V]`` logits (the plug-in:
+    :func:`gather_rows` on the shard, a collective; tests: rows of the full tensor), the
+    synthetic rows (:func:`resolution_logits`), ``resolver.verify_requests(logits, requests,
+    **inputs)`` (:meth:`~shardmax.integrations.vllm.chain.NativeChain.verify_requests`' contract:
+    ``inputs`` are the whole step's arguments, with ``cu_num_logits_np``, ``idx_mapping_np``,
+    ``draft_sampled`` and ``temperature_gpu``) and :func:`apply_resolved`.
+
+    Returns:
+        int64 ``[m']``: the logits rows gathered (what crossed the ranks).
+    """
+    cu = inputs["cu_num_logits_np"]
+    rows, gather = resolution_rows(result, cu, requests)
+    logits = resolution_logits(
+        fetch_rows(rows[gather]), gather, requests, cu, inputs["idx_mapping_np"],
+        inputs["draft_sampled"], inputs["temperature_gpu"],
+    )  # fmt: skip
+    sub = resolver.verify_requests(logits, requests, **inputs)
+    apply_resolved(result, requests, sub[0], sub[1], sub[2])
+    return rows[gather]

@@ -153,16 +153,22 @@ class VerifyResult(NamedTuple):
     num_rejected: torch.Tensor  # int32 [num_reqs]
     fallback: torch.Tensor  # bool [num_reqs]: verify these requests the native way
     reason: torch.Tensor  # int8 [num_reqs]: FallbackReason, 0 where fallback is False
+    need: torch.Tensor | None = None
+    """int8 ``[num_logits]``: 1 on the rows of flagged requests a per-request resolution must
+    gather (:func:`shardmax.ops.resolve.resolution_rows`; the others are certified and verified
+    on synthetic rows), 0 on their other rows; unspecified on rows of unflagged requests. None:
+    every row of a flagged request is gathered."""
 
 
-def empty_result(num_reqs: int, k: int, device: torch.device) -> VerifyResult:
-    """Uninitialised outputs of ``num_reqs`` requests."""
+def empty_result(num_reqs: int, k: int, device: torch.device, num_logits: int = 0) -> VerifyResult:
+    """Uninitialised outputs of ``num_reqs`` requests over ``num_logits`` logits rows."""
     return VerifyResult(
         torch.empty((num_reqs, k + 1), dtype=torch.int64, device=device),
         torch.empty(num_reqs, dtype=torch.int32, device=device),
         torch.empty(num_reqs, dtype=torch.int32, device=device),
         torch.empty(num_reqs, dtype=torch.bool, device=device),
         torch.empty(num_reqs, dtype=torch.int8, device=device),
+        torch.empty(num_logits, dtype=torch.int8, device=device),
     )
 
 
@@ -611,7 +617,7 @@ def sampled_finish(
     topp_kept_sets`), ``level_fp16`` whether their level keys are fp16's (else bf16's)."""
     k = batch.num_speculative_steps
     dev = records.device
-    res = empty_result(batch.num_reqs, k, dev)
+    res = empty_result(batch.num_reqs, k, dev, batch.num_logits)
     if batch.num_reqs == 0:
         return res
     fallback = res.fallback.view(torch.int8)
@@ -647,6 +653,7 @@ def sampled_finish(
         draw if draw is not None else dummy,
         kept[0] if kept is not None else dummy,
         kept[1] if kept is not None else records,
+        res.need,
         batch.num_logits,
         batch.num_slots,
         parts,
@@ -758,6 +765,7 @@ def pick_tokens(
         row_draft,
         res.fallback.view(torch.int8),
         res.reason,
+        res.need if res.need is not None else res.reason,
         num_reqs,
         row_draft.numel(),
         parts,
@@ -1064,7 +1072,9 @@ class SampledVerifyPlan:
         if params is None:  # run() checked the batch and made the row parameters already
             self._check_batch(batch)
             if batch.num_reqs == 0:
-                return empty_result(0, batch.num_speculative_steps, gathered.device)
+                return empty_result(
+                    0, batch.num_speculative_steps, gathered.device, batch.num_logits
+                )
             params = self.row_params(batch)
         rows, c = self.num_logits, self.launch.candidates
         gathered = gathered.contiguous()
@@ -1156,7 +1166,25 @@ class SampledVerifyPlan:
             self.draw_rows(reqs) if draw is None else draw, launch, self.use_fp64_gumbel, keys,
             (self.kept_sets() if kept is None else kept) if self.topp is not None else None,
         )  # fmt: skip
-        return keys.view(1, -1)
+        if self.sent_draw_splits(reqs) == launch.splits:
+            return keys.view(1, -1)
+        # packed keys order as (noised value desc, id asc) in one int64 (each slot: the best
+        # key, and with kept sets the unsure boundary ties' best): the max over this rank's
+        # splits is what the pick's max over every part takes from them, so only it is sent
+        best = self._sliced("sampled.keys1", (self.num_logits * ms,), torch.int64, reqs * ms)
+        torch.amax(keys.view(launch.splits, reqs * ms), dim=0, out=best)
+        return best.view(1, -1)
+
+    def sent_draw_splits(self, num_reqs: int) -> int:
+        """Draw splits per request in what each rank sends in the draw exchange: 1 when the rank
+        combines its splits' keys first (packed fp32 keys: a max; fp64 mode's ``(key, id)``
+        pairs are sent per split), else the draw launch's splits."""
+        return 1 if not self.use_fp64_gumbel else self.draw_launch(num_reqs).splits
+
+    def draw_words(self, num_reqs: int) -> int:
+        """int64 words one rank sends in the draw exchange of a step of ``num_reqs`` requests."""
+        ms = (1 + self.use_fp64_gumbel) * (2 if self.topp is not None else 1)
+        return self.sent_draw_splits(num_reqs) * num_reqs * ms
 
     def pick(
         self, gathered: torch.Tensor, res: VerifyResult, draw: torch.Tensor | None = None
@@ -1166,7 +1194,7 @@ class SampledVerifyPlan:
         reqs = res.num_sampled.shape[0]
         pick_tokens(
             gathered.contiguous(), self.draw_rows(reqs) if draw is None else draw,
-            self.draw_launch(reqs).splits, self.use_fp64_gumbel, res, self._row_buffers()[2],
+            self.sent_draw_splits(reqs), self.use_fp64_gumbel, res, self._row_buffers()[2],
             kept=self.topp is not None,
         )  # fmt: skip
         return res
@@ -1177,7 +1205,7 @@ class SampledVerifyPlan:
         self._check_batch(batch)
         if batch.num_reqs == 0:
             self.ctx.check_logits(local_logits, self.num_logits, self.row_stride)
-            return empty_result(0, batch.num_speculative_steps, self.ctx.device)
+            return empty_result(0, batch.num_speculative_steps, self.ctx.device, batch.num_logits)
         params = self.row_params(batch)
         res = self.finish(self.exchange(self.local(local_logits, batch, params)), batch, params)
         if self.two_phase:

@@ -10,6 +10,7 @@ sends are checked for shape only (they equal what the recording sent: same plan,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -72,7 +73,7 @@ def record_exchanges(
         batch: the step's checked ``StepBatch``; cu_np: its host ``cu_num_logits``.
         topp: the plans verify top-p from level histograms (their draw takes the kept sets).
     """
-    from shardmax.ops.resolve import flagged_requests, request_rows
+    from shardmax.ops.resolve import flagged_requests, resolution_rows
 
     sent = [p.local(s.local_logits, batch) for p, s in zip(plans, shards, strict=True)]
     g1 = torch.cat(sent, dim=0)
@@ -89,6 +90,14 @@ def record_exchanges(
         gathered.append(g2)
     req, _ = flagged_requests(res)
     if req.size:
-        rows = torch.from_numpy(request_rows(cu_np, req)).to(shards[0].local_logits.device)
+        rows_np, gather = resolution_rows(res, cu_np, req)  # the rows the resolution gathers
+        rows = torch.from_numpy(rows_np[gather]).to(shards[0].local_logits.device)
         gathered.append(torch.cat([s.local_logits[rows] for s in shards], dim=0))
     return gathered, res
+
+
+def full_rows(full_logits: torch.Tensor) -> Callable[[np.ndarray], torch.Tensor]:
+    """``fetch_rows`` of :func:`shardmax.ops.resolve.resolve_requests` for an emulated step: the
+    rows of the full ``[num_logits, V]`` logits (what :func:`~shardmax.ops.resolve.gather_rows`
+    gathers from the ranks' shards)."""
+    return lambda rows: full_logits[torch.from_numpy(rows).to(full_logits.device)]

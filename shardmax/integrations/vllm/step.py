@@ -613,12 +613,13 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     ``needs_logits_processing`` (no device sync). One device->host read of the flags (identical
     on every rank, so all ranks take the same branch and the collectives stay matched). Flagged
     requests are resolved from their own rows (:mod:`shardmax.ops.resolve`: one all_gather of
-    those rows, then vLLM's own kernels on them with the whole step's per-chunk decisions,
+    those rows the step could not certify, synthetic rows for the others, then vLLM's own
+    kernels on them with the whole step's per-chunk decisions,
     :meth:`~shardmax.integrations.vllm.chain.NativeChain.verify_requests`); without a resolver the
     step comes back ``flagged``."""
     import numpy as np
 
-    from shardmax.ops.resolve import apply_resolved, flagged_requests, gather_rows, request_rows
+    from shardmax.ops.resolve import flagged_requests, gather_rows, resolve_requests
     from shardmax.ops.sampled import FallbackReason, max_chunk_rows
 
     rs = runner.rejection_sampler
@@ -664,16 +665,15 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
         chain = resolver()
         if chain is None:
             return SampledResult(mode, None, FallbackReason(int(codes[0])).name)
-        rows_np = request_rows(input_batch.cu_num_logits_np, req)
-        full = gather_rows(shard.ctx, local_logits, rows_np)
         inputs = chain_inputs(runner, input_batch, draft_sampled, pos, prefill_len)
-        sub = chain.verify_requests(full, req, **inputs)
-        apply_resolved(res, req, sub.sampled, sub.num_sampled, sub.num_rejected)
+        gathered = resolve_requests(
+            res, req, lambda rows: gather_rows(shard.ctx, local_logits, rows), chain, inputs
+        )
         reasons: dict[str, int] = {}
         for c in codes.tolist():
             name = FallbackReason(int(c)).name
             reasons[name] = reasons.get(name, 0) + 1
-        counters.resolved(int(req.size), int(rows_np.size), reasons)
+        counters.resolved(int(req.size), int(gathered.size), reasons)
         resolved = int(req.size)
     out = sampler_output(res.sampled, res.num_sampled, res.num_rejected)
     return SampledResult(mode, (out, res.num_sampled, res.num_rejected), None, resolved)
