@@ -54,11 +54,14 @@
 #   bash scripts/gpu_session.sh V   one H200: the engine-faithful loop alone
 #   bash scripts/gpu_session.sh W   one H200: the captured resolution's GPU test, stage V, then
 #                                   stage U's top-p step benchmark
+#   bash scripts/gpu_session.sh X   one H200: graph, resolution and histogram top-p GPU tests
+#   bash scripts/gpu_session.sh Y   one H200: flags and bytes of the histogram path, then stage
+#                                   U's top-p step benchmark
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A-W}
+STAGE=${1:?stage A-Y}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -411,6 +414,40 @@ W)
   echo "  rc=$?"; grep -E "^V=|Error|captured" "$OUT/topp_step_W.log" | tail -40
   tar -czf "$OUT/W.tar.gz" -C "$OUT" engine topp_step 2>/dev/null
   rm -rf "$OUT/engine" "$OUT/topp_step"
+  ;;
+X)
+  # the resolution gathering only uncertified rows (synthetic rows for the certified ones): the
+  # graph GPU tests, the resolution GPU tests and the histogram top-p GPU tests against every
+  # carried vLLM chain (every call twice, bit-compared)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "graph GPU tests"
+  timeout "$(left 200)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_graphs.py \
+    tests/test_gpu.py -k "graph or replay" >"$OUT/graphs_X.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED" "$OUT/graphs_X.log" | tail -12
+  stamp "resolution GPU tests"
+  SHARDMAX_RESOLVE_GPU_SEEDS=${RESOLVE_SEEDS:-4} timeout "$(left 400)" python3 -m pytest -m gpu \
+    -q -p no:cacheprovider -s tests/test_resolve.py >"$OUT/resolve_X.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED|\[captured|\[resolve" "$OUT/resolve_X.log" | tail -24
+  stamp "histogram top-p vs vLLM's chains (every call twice)"
+  SHARDMAX_TOPP_GPU_SEEDS=${TOPP_SEEDS:-4} timeout "$(left 570)" python3 -m pytest -m gpu -q -s \
+    -p no:cacheprovider -rf --tb=short tests/test_topp_verify.py >"$OUT/topp_verify_X.log" 2>&1
+  echo "  rc=$?"; grep -E "topp gpu|passed|failed|^FAILED|^E " "$OUT/topp_verify_X.log" | tail -16
+  ;;
+Y)
+  # stage X's change measured: flags and bytes of the histogram path (every request compared
+  # with vLLM 0.33's chain, the flagged ones resolved), then the top-p step as the plug-in calls it
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "flags and bytes, histogram path"
+  timeout "$(left 300)" python3 -m benchmarks.flags --paths histogram --seeds "${FLAG_SEEDS:-20}" \
+    --out "$OUT/flags_hist" >"$OUT/flags_Y.log" 2>&1
+  echo "  rc=$?"; tail -n 16 "$OUT/flags_Y.log"
+  stamp "top-p step: plug-in call vs vLLM (emulated TP)"
+  timeout "$(left 570)" python3 -m benchmarks.topp_step --tp "${STEP_TP:-2,8}" \
+    --steps "${STEP_STEPS:-8}" --calls "${STEP_CALLS:-6}" --paths shardmax-hist,shardmax-hist-eager \
+    --out "$OUT/topp_step" >"$OUT/topp_step_Y.log" 2>&1
+  echo "  rc=$?"; grep -E "^V=|Error|captured" "$OUT/topp_step_Y.log" | tail -40
+  tar -czf "$OUT/Y.tar.gz" -C "$OUT" flags_hist topp_step 2>/dev/null
+  rm -rf "$OUT/flags_hist" "$OUT/topp_step"
   ;;
 P)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
