@@ -64,7 +64,7 @@ def record_exchanges(
     shards: list[Any], plans: list[Any], batch: Any, cu_np: np.ndarray, topp: bool
 ) -> tuple[list[torch.Tensor], Any]:
     """Every rank's stages of one sampled step, once: the step's gathered bytes in order (the
-    records; the draw keys of a two-phase plan; the flagged requests' rows when a request is
+    records; the draw keys of a two-phase plan; the rows the resolution gathers when a request is
     flagged) and rank 0's result (before any resolution).
 
     Args:
