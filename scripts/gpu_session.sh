@@ -100,6 +100,15 @@ pair() {  # pair LOGTAG ARGS...: argmax on GPU 0 and verify on GPU 1 at the same
   wait
 }
 
+# topp_step_hist STAGE DEADLINE: the top-p step as the plug-in calls it (histogram paths, graphs
+# and eager) against vLLM's path, emulated TP, into $OUT/topp_step
+topp_step_hist() {
+  timeout "$(left "$2")" python3 -m benchmarks.topp_step --tp "${STEP_TP:-2,8}" \
+    --steps "${STEP_STEPS:-8}" --calls "${STEP_CALLS:-6}" --paths shardmax-hist,shardmax-hist-eager \
+    --out "$OUT/topp_step" >"$OUT/topp_step_$1.log" 2>&1
+  echo "  rc=$?"; grep -E "^V=|Error|captured" "$OUT/topp_step_$1.log" | tail -40
+}
+
 # sanitized_fuzz STAGE DEADLINE: the fuzz corpus under compute-sanitizer memcheck, value checks off
 sanitized_fuzz() {
   stamp "fuzz corpus under compute-sanitizer memcheck (value checks off)"
@@ -359,10 +368,7 @@ T)
     -p no:cacheprovider -s tests/test_resolve.py >"$OUT/resolve_T.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|Error|\[captured|\[resolve" "$OUT/resolve_T.log" | tail -24
   stamp "top-p step: plug-in call vs vLLM (emulated TP)"
-  timeout "$(left 500)" python3 -m benchmarks.topp_step --tp "${STEP_TP:-2,8}" \
-    --steps "${STEP_STEPS:-8}" --calls "${STEP_CALLS:-6}" --paths shardmax-hist,shardmax-hist-eager \
-    --out "$OUT/topp_step" >"$OUT/topp_step_T.log" 2>&1
-  echo "  rc=$?"; grep -E "^V=|Error|captured" "$OUT/topp_step_T.log" | tail -40
+  topp_step_hist T 500
   stamp "profile"
   timeout "$(left 560)" python3 -m benchmarks.topp_step --profile --tp 2 --reqs 40 \
     --vocab 200064 --steps 6 >"$OUT/profile_T.log" 2>&1
@@ -379,10 +385,7 @@ U)
     tests/test_gpu.py -k "graph or replay" >"$OUT/graphs_U.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED" "$OUT/graphs_U.log" | tail -20
   stamp "top-p step: plug-in call vs vLLM (emulated TP)"
-  timeout "$(left 560)" python3 -m benchmarks.topp_step --tp "${STEP_TP:-2,8}" \
-    --steps "${STEP_STEPS:-8}" --calls "${STEP_CALLS:-6}" --paths shardmax-hist,shardmax-hist-eager \
-    --out "$OUT/topp_step" >"$OUT/topp_step_U.log" 2>&1
-  echo "  rc=$?"; grep -E "^V=|Error|captured" "$OUT/topp_step_U.log" | tail -40
+  topp_step_hist U 560
   tar -czf "$OUT/U.tar.gz" -C "$OUT" topp_step 2>/dev/null
   rm -rf "$OUT/topp_step"
   ;;
@@ -408,10 +411,7 @@ W)
     --out "$OUT/engine" >"$OUT/engine_W.log" 2>&1
   echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) |Error" "$OUT/engine_W.log" | grep -v "eager"
   stamp "top-p step"
-  timeout "$(left 560)" python3 -m benchmarks.topp_step --tp "${STEP_TP:-2,8}" \
-    --steps "${STEP_STEPS:-8}" --calls "${STEP_CALLS:-6}" --paths shardmax-hist,shardmax-hist-eager \
-    --out "$OUT/topp_step" >"$OUT/topp_step_W.log" 2>&1
-  echo "  rc=$?"; grep -E "^V=|Error|captured" "$OUT/topp_step_W.log" | tail -40
+  topp_step_hist W 560
   tar -czf "$OUT/W.tar.gz" -C "$OUT" engine topp_step 2>/dev/null
   rm -rf "$OUT/engine" "$OUT/topp_step"
   ;;
@@ -442,10 +442,7 @@ Y)
     --out "$OUT/flags_hist" >"$OUT/flags_Y.log" 2>&1
   echo "  rc=$?"; tail -n 16 "$OUT/flags_Y.log"
   stamp "top-p step: plug-in call vs vLLM (emulated TP)"
-  timeout "$(left 570)" python3 -m benchmarks.topp_step --tp "${STEP_TP:-2,8}" \
-    --steps "${STEP_STEPS:-8}" --calls "${STEP_CALLS:-6}" --paths shardmax-hist,shardmax-hist-eager \
-    --out "$OUT/topp_step" >"$OUT/topp_step_Y.log" 2>&1
-  echo "  rc=$?"; grep -E "^V=|Error|captured" "$OUT/topp_step_Y.log" | tail -40
+  topp_step_hist Y 570
   tar -czf "$OUT/Y.tar.gz" -C "$OUT" flags_hist topp_step 2>/dev/null
   rm -rf "$OUT/flags_hist" "$OUT/topp_step"
   ;;
