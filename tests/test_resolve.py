@@ -195,17 +195,25 @@ def _planted(row3: str, topp: bool):
         if row == 3 and row3 == "reject":
             d = (d + 1) % 512  # the peak on another id: the draft 40 below it
         logits[row, d] = 40.0
-    logits[2, 17] = float("nan")
+    if row3 == "flat2":  # row 2 flat (no certified kept set), its draft 40 below: vLLM surely
+        logits[2] = 0.0  # rejects it, so it is the stop (top-p steps)
+        logits[2, int(draft[3])] = -40.0
+    else:
+        logits[2, 17] = float("nan")
     b.logits = logits.to(torch.bfloat16)
     b.temperature[b.idx_mapping.long()] = 1.0
     return b
 
 
-@pytest.mark.parametrize("topp", [False, True], ids=["temperature", "top_p"])
-@pytest.mark.parametrize("row3,want", [("reject", [2, 3]), ("accept", [2, 4])])
+@pytest.mark.parametrize(
+    "topp,row3,want",
+    [(t, r, w) for t in (False, True) for r, w in (("reject", [2, 3]), ("accept", [2, 4]))]
+    + [(True, "flat2", [2])],
+)
 def test_need_names_the_rows_a_resolution_gathers(row3: str, want: list[int], topp: bool) -> None:
     """The finish's ``need`` on planted rows: the first flagged row, then the later rows up to the
-    first certified stop except certified accepts; nothing of an unflagged request."""
+    first sure stop (a certified rejection; ``flat2``: the flagged row itself, whose draft sits
+    40 below its maximum) except certified accepts; nothing of an unflagged request."""
     from shardmax.reference.nucleus_replay import pipeline_for
     from shardmax.testing.emulate_sampled import emulate_verify
 
@@ -213,9 +221,12 @@ def test_need_names_the_rows_a_resolution_gathers(row3: str, want: list[int], to
     config = pipeline_for(10, "cuda", "0.33") if topp else None
     res = emulate_verify(b.logits, 2, *b.sampled_args(), **b.sampling_kwargs(), topp=config)
     req, why = flagged_requests(res)
-    assert req.tolist() == [0] and why.tolist() == [FallbackReason.NON_FINITE], (req, why)
+    flag = FallbackReason.TOPP_NOT_CERTIFIED if row3 == "flat2" else FallbackReason.NON_FINITE
+    assert req.tolist() == [0] and why.tolist() == [flag], (req, why)
     rows, gather = resolution_rows(res, b.cu_num_logits.numpy(), req)
     assert rows[gather].tolist() == want
+    if row3 == "flat2":
+        return
     # a temperature above SYNTHETIC_MAX_TEMPERATURE: every row of the request is gathered (a
     # NaN in its first row flags it; row 1 is a certified rejection there, the stop otherwise)
     b.temperature[int(b.idx_mapping[0])] = 2 * SYNTHETIC_MAX_TEMPERATURE  # request 0 only
