@@ -182,12 +182,13 @@ def resolution_logits(
     slots = np.repeat(np.asarray(idx_mapping_np, dtype=np.int64)[requests], counts)
     nxt = np.minimum(rows + 1, draft_sampled.shape[0] - 1)
     idx = stage(np.concatenate([nxt, slots, np.flatnonzero(keep)]), dev)
-    token = draft_sampled.index_select(0, idx[:m]).clamp(0, vocab - 1).long()
-    temp = temperature.index_select(0, idx[m : 2 * m]).clamp(1.0, SYNTHETIC_MAX_TEMPERATURE)
+    token = draft_sampled.index_select(0, idx[:m]).long().clamp_(0, vocab - 1)
+    low = temperature.index_select(0, idx[m : 2 * m]).clamp_(1.0, SYNTHETIC_MAX_TEMPERATURE)
+    low.mul_(-SYNTHETIC_GAP)  # exact in fp32, then rounded once to the model dtype by the copy
     width = max(vocab, gathered.stride(0)) if gathered.shape[0] else vocab
     out = torch.empty((m, width), dtype=gathered.dtype, device=dev)[:, :vocab]
-    out.copy_((temp * -SYNTHETIC_GAP).to(gathered.dtype)[:, None].expand(m, vocab))
-    out.scatter_(1, token[:, None], torch.zeros((m, 1), dtype=gathered.dtype, device=dev))
+    out.copy_(low[:, None].expand(m, vocab))
+    out.scatter_(1, token[:, None], 0.0)
     if gathered.shape[0]:
         out.index_copy_(0, idx[2 * m :], gathered)
     return out
