@@ -45,7 +45,7 @@ from shardmax.ops.sampled import FallbackReason, VerifyResult
 from shardmax.runtime.geometry import Geometry
 from shardmax.runtime.shard import ShardContext
 from shardmax.testing.replayed import full_rows
-from shardmax.testing.traffic import realistic_batch
+from shardmax.testing.traffic import TrafficBatch, realistic_batch
 from shardmax.testing.vllm_chain import NativeChain, verify_inputs
 
 CHAINS = NativeChain.discover()
@@ -237,6 +237,48 @@ def test_need_names_the_rows_a_resolution_gathers(row3: str, want: list[int], to
     assert req.tolist() == [0] and bool(gather.all()) and rows.tolist() == [0, 1, 2, 3, 4]
 
 
+def _draft_tie(seed: int) -> TrafficBatch:
+    """One T = 1 / top-p 0.01 request, K = 1 (found by an adversarial review): row 0's draft ties
+    another id at the row's maximum -- which of the two vLLM keeps is not known from the shards
+    (TOPP_TIE) -- row 1 (the bonus row) one peaked id. vLLM keeps and accepts the draft when it
+    keeps it, then draws from row 1: no sure stop at row 0."""
+    vocab, d, other = 512, 222, 300
+    logits = torch.zeros(2, vocab)
+    logits[0, d] = logits[0, other] = logits[1, 77] = 10.0
+    return TrafficBatch(
+        logits=logits.to(torch.bfloat16),
+        draft_sampled=torch.tensor([5, d], dtype=torch.int32),
+        cu_num_logits=torch.tensor([0, 2], dtype=torch.int32),
+        pos=torch.tensor([1000, 1001]),
+        idx_mapping=torch.tensor([0], dtype=torch.int32),
+        expanded_local_pos=torch.tensor([0, 1], dtype=torch.int32),
+        seed=torch.tensor([seed], dtype=torch.int64),
+        num_speculative_steps=1,
+        temperature=torch.tensor([1.0]),
+        top_p=torch.tensor([0.01]),
+    )
+
+
+def _tie_step(b: TrafficBatch, version: str, device: str = "cpu") -> VerifyResult:
+    """The step verified with the top-p pipeline vLLM ``version`` runs on ``device`` (the CPU's
+    monolithic kernel needs vLLM's sigma table: e2e only)."""
+    from shardmax.reference.nucleus_replay import pipeline_for
+    from shardmax.testing.emulate_sampled import emulate_verify
+
+    return emulate_verify(
+        b.logits, 2, *b.sampled_args(), top_p=b.top_p, topp=pipeline_for(2, device, version)
+    )
+
+
+def test_need_an_unsure_draft_tie_is_no_sure_stop() -> None:
+    """The sure-stop test reads the draft's own value, not the kept-set-masked one."""
+    res = _tie_step(_draft_tie(0), "0.33", "cuda")  # the split pipeline: no sigma table
+    req, why = flagged_requests(res)
+    assert req.tolist() == [0] and why.tolist() == [FallbackReason.TOPP_TIE]
+    rows, gather = resolution_rows(res, np.array([0, 2]), req)
+    assert rows[gather].tolist() == [0, 1]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_resolution_logits_synthetic_rows(dtype) -> None:
     vocab, width, tp = 300, 160, 2  # vLLM's layout: [m, tp * W] viewed as [m, V]
@@ -412,6 +454,20 @@ def test_vllm_accepts_every_synthetic_row(chain: NativeChain, dtype) -> None:
         assert out.num_rejected.tolist() == [0] * num_reqs, (seed, out.num_rejected)
         drafts = b.draft_sampled.long().view(num_reqs, 4)[:, 1:]
         assert torch.equal(out.sampled[:, :3].long().cpu(), drafts), seed
+
+
+@pytest.mark.e2e
+@by_version
+def test_unsure_draft_tie_resolved_equals_vllm(chain: NativeChain) -> None:
+    """The adversarial review's case, 12 seeds (vLLM keeps either tie): resolved == vLLM."""
+    for seed in range(12):
+        b = _draft_tie(seed)
+        kw = verify_inputs(b)
+        whole = chain.verify(b.logits, **kw)
+        res = _tie_step(b, chain.version)
+        req, _ = flagged_requests(res)
+        resolve_requests(res, req, full_rows(b.logits), chain, kw)
+        _assert_same(res, whole, f"vLLM {chain.version} seed {seed}")
 
 
 def _only_first(kw, rows: int):
