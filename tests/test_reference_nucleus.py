@@ -245,3 +245,30 @@ def test_split_pipeline_model() -> None:
     assert not d
     with pytest.raises(ValueError, match="top_p"):
         split_pipeline_model_keep(flat, 0.0)
+
+
+def test_min_p_with_top_p_is_not_reproduced() -> None:
+    """An adversarial review's row: min-p 0.1 keeps {31, 39} (``p39 / p31 = e**-1.75``) and the
+    exact nucleus of those survivors at top-p 0.9 is both, but vLLM's top-p search on the
+    min-p-masked row keeps 31 alone -- so every row with both rules is flagged (guard and the
+    kernels), and min-p alone still passes."""
+    from shardmax.ops.sampled import FallbackReason
+    from shardmax.testing.emulate_sampled import emulate_verify
+
+    x = torch.full((256,), -5.0)
+    x[31], x[39] = 2.0, 0.25
+    d, _ = _guard_row(x, 2, 64, 0.9, 8, min_p=0.1)
+    assert d.reason == GuardReason.NOT_CONVERGED
+    d, _ = _guard_row(x, 2, 64, 1.0, 8, min_p=0.1)
+    assert d.reason == GuardReason.OK and set(d.kept_ids) == {31, 39}
+    logits = x[None].to(torch.bfloat16)
+    one = torch.tensor([1.0])
+    args = (
+        torch.tensor([7], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([1234]), torch.tensor([0], dtype=torch.int32),
+        torch.tensor([0], dtype=torch.int32), one, torch.tensor([77]), 1,
+    )  # fmt: skip
+    res = emulate_verify(logits, 2, *args, top_p=torch.tensor([0.9]), min_p=torch.tensor([0.1]))
+    assert res.reason.tolist() == [FallbackReason.NUCLEUS_NOT_CONVERGED]
+    res = emulate_verify(logits, 2, *args, min_p=torch.tensor([0.1]))
+    assert not bool(res.fallback.any())

@@ -236,7 +236,10 @@ def nucleus_guard(
       the boundary by one.
     * ``TIE_STRADDLE``: last kept value == first excluded value -- vLLM's monolithic kernel keeps
       every tied id, its split pipeline keeps them in index order (§1.5).
-    * ``NOT_CONVERGED``: monolithic kernel (``rows_in_step > 64`` or top-k active) needs
+    * ``NOT_CONVERGED``: every row with both min-p and top-p (vLLM's top-p search runs on the
+      min-p-masked row, a ``-inf`` tail, and can keep fewer ids than the survivors' exact
+      nucleus: not reproduced); otherwise the monolithic kernel (``rows_in_step > 64`` or top-k
+      active) needs
       ``p_b - p_next > p_max 2**-16``; split pipeline (``<= 64`` rows, top-p only) needs
       ``x_b - x_next > 2 (max - min) / 9**5`` (its 5 rounds of 8-pivot ladders).
 
@@ -280,6 +283,8 @@ def nucleus_guard(
         ulp = 2.0 * abs(thr) * FP32_EPS + 1e-38
         if bool(((vals - thr).abs() <= ulp).any()):
             return NucleusDecision(GuardReason.MIN_P_MARGIN)
+        if top_p < 1.0:  # vLLM's top-p search on the min-p-masked row (a -inf tail)
+            return NucleusDecision(GuardReason.NOT_CONVERGED)
         keep = vals >= thr
         vals, ids = vals[keep], ids[keep]
         tau = max(tau, thr)  # below the threshold nothing survives: complete by construction
