@@ -30,12 +30,12 @@ certified row -- the draft is accepted -- because a request's outcome is its acc
 the token drawn at the first rejected row (or the bonus row), and every drawing row is gathered.
 On a row whose draft ``d`` sits at 0 and every other id at ``-40 max(1, T)`` (model dtype; ``T <=``
 :data:`SYNTHETIC_MAX_TEMPERATURE`), vLLM's processed row (temperature, then top-k / top-p / min-p,
-which all keep the unique maximum) has every other id at least 40 below ``d``: its fp32 ``sum
-exp`` is exactly 1 (``262144 exp(-40) < 2**-25``), so ``log p(d) = 0`` and ``p(d) = 1``. vLLM
-0.33 accepts iff ``log p(d) > log u`` with ``u`` in ``(0, 1)`` -- for a real row it accepted,
-``log u < log p(d) <= 0``, so it accepts the synthetic row for the same ``u`` (keyed by ``(seed,
-pos)``, unchanged); vLLM 0.32 accepts iff ``p(d) >= u`` (``u < 1``); greedy rows accept iff the
-argmax is ``d``. Rows after a certified stop are never reached; they are synthetic too.
+which all keep the unique maximum) has every other id about 40 below ``d`` (>= 39.9 after the
+model dtype's rounding of ``-40 T``): its fp32 ``sum exp`` is exactly 1 (``262144 exp(-39.9) <
+2**-25``), so ``log p(d) = 0``. vLLM 0.32 and 0.33 accept iff ``log p(d) > log u`` with ``u`` in
+``(0, 1)`` -- for a real row it accepted, ``log u < log p(d) <= 0``, so it accepts the synthetic
+row for the same ``u`` (keyed by ``(seed, pos)``, unchanged); greedy rows accept iff the argmax
+is ``d``. Rows after a certified stop are never reached; they are synthetic too.
 """
 
 from __future__ import annotations

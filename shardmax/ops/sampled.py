@@ -765,7 +765,7 @@ def pick_tokens(
         row_draft,
         res.fallback.view(torch.int8),
         res.reason,
-        res.need if res.need is not None else res.reason,
+        res.need if res.need is not None else torch.empty_like(row_draft, dtype=torch.int8),
         num_reqs,
         row_draft.numel(),
         parts,
