@@ -94,7 +94,7 @@ def run_case(
                     }  # fmt: skip
                 st["req"] += int(req.size)
                 st["steps"] += int(req.size > 0)
-                st["rows"] += int(resolution_rows(res, cu_np, req)[1].sum())  # gathered
+                st["rows"] += int(resolution_rows(res, cu_np, req).gather.sum())  # gathered
                 st["why"].update(FallbackReason(int(x)).name for x in codes)
     del rows
     total_req, total_rows = reqs * seeds, reqs * 4 * seeds
@@ -185,7 +185,7 @@ def run_hist_case(
                 first = uncert[0] if uncert else -1
                 replay_why[ReplayReason(first).name if 0 < first < 7 else str(first)] += 1
         flagged += int(req.size)
-        flagged_rows += int(resolution_rows(res, cu_np, req)[1].sum())  # the rows gathered
+        flagged_rows += int(resolution_rows(res, cu_np, req).gather.sum())  # the rows gathered
         steps_flagged += int(req.size > 0)
         why.update(FallbackReason(int(x)).name for x in codes)
         if chain is not None:

@@ -186,7 +186,8 @@ def _planted(row3: str, topp: bool):
     """Two T = 1 requests, K = 4, V = 512 (rows 0-4, 5-9): request 0's rows 0-1 hold their draft
     40 above every other id (certified accepts), row 2 a NaN (NON_FINITE: its first flagged row),
     row 3 its draft 40 above the rest (``accept``) or 40 below another id (``reject``), row 4 the bonus
-    row (one id 40 above the rest); request 1 certified accepts throughout (not flagged)."""
+    row (one id 40 above the rest); request 1 certified accepts throughout (not flagged).
+    ``flat2``: row 2 flat with its draft 40 below (top-p)."""
     b = realistic_batch(2, 4, 512, seed=7, mix="top_p" if topp else "temperature")
     logits = torch.zeros(10, 512)
     draft = b.draft_sampled.long()
@@ -206,14 +207,22 @@ def _planted(row3: str, topp: bool):
 
 
 @pytest.mark.parametrize(
-    "topp,row3,want",
-    [(t, r, w) for t in (False, True) for r, w in (("reject", [2, 3]), ("accept", [2, 4]))]
-    + [(True, "flat2", [2])],
+    "topp,row3,gathered,drawn",
+    [
+        (t, r, g, d)
+        for t in (False, True)
+        for r, g, d in (("reject", [2], [3]), ("accept", [2], [4]))
+    ]
+    + [(True, "flat2", [2], [])],
 )
-def test_need_names_the_rows_a_resolution_gathers(row3: str, want: list[int], topp: bool) -> None:
+def test_need_names_the_rows_a_resolution_gathers(
+    row3: str, gathered: list[int], drawn: list[int], topp: bool
+) -> None:
     """The finish's ``need`` on planted rows: the first flagged row, then the later rows up to the
     first sure stop (a certified rejection; ``flat2``: the flagged row itself, whose draft sits
-    40 below its maximum) except certified accepts; nothing of an unflagged request."""
+    40 below its maximum) except certified accepts -- and except the row the step drew from past
+    the flagged one (a certified rejection or the bonus row, reached because the step accepted
+    the NaN row: a synthetic draw row, need 2); nothing of an unflagged request."""
     from shardmax.reference.nucleus_replay import pipeline_for
     from shardmax.testing.emulate_sampled import emulate_verify
 
@@ -223,8 +232,10 @@ def test_need_names_the_rows_a_resolution_gathers(row3: str, want: list[int], to
     req, why = flagged_requests(res)
     flag = FallbackReason.TOPP_NOT_CERTIFIED if row3 == "flat2" else FallbackReason.NON_FINITE
     assert req.tolist() == [0] and why.tolist() == [flag], (req, why)
-    rows, gather = resolution_rows(res, b.cu_num_logits.numpy(), req)
-    assert rows[gather].tolist() == want
+    rows, gather, draw = resolution_rows(res, b.cu_num_logits.numpy(), req)
+    assert rows[gather].tolist() == gathered and rows[draw].tolist() == drawn
+    if drawn:  # the step's token at the draw row's column
+        assert int(res.num_sampled[0]) == drawn[0] + 1 and int(res.sampled[0, drawn[0]]) >= 0
     if row3 == "flat2":
         return
     # a temperature above SYNTHETIC_MAX_TEMPERATURE: every row of the request is gathered (a
@@ -233,8 +244,9 @@ def test_need_names_the_rows_a_resolution_gathers(row3: str, want: list[int], to
     b.logits[0, 17] = float("nan")
     res = emulate_verify(b.logits, 2, *b.sampled_args(), **b.sampling_kwargs(), topp=config)
     req, _ = flagged_requests(res)
-    rows, gather = resolution_rows(res, b.cu_num_logits.numpy(), req)
-    assert req.tolist() == [0] and bool(gather.all()) and rows.tolist() == [0, 1, 2, 3, 4]
+    rows, gather, draw = resolution_rows(res, b.cu_num_logits.numpy(), req)
+    assert req.tolist() == [0] and bool(gather.all()) and not draw.any()
+    assert rows.tolist() == [0, 1, 2, 3, 4]
 
 
 def _draft_tie(seed: int) -> TrafficBatch:
@@ -275,8 +287,34 @@ def test_need_an_unsure_draft_tie_is_no_sure_stop() -> None:
     res = _tie_step(_draft_tie(0), "0.33", "cuda")  # the split pipeline: no sigma table
     req, why = flagged_requests(res)
     assert req.tolist() == [0] and why.tolist() == [FallbackReason.TOPP_TIE]
-    rows, gather = resolution_rows(res, np.array([0, 2]), req)
+    rows, gather, _ = resolution_rows(res, np.array([0, 2]), req)
     assert rows[gather].tolist() == [0, 1]
+
+
+def _bonus_tie(seed: int) -> TrafficBatch:
+    """:func:`_draft_tie`'s request with a NaN in row 0 (the finish flags it NON_FINITE and
+    accepts its draft, 10 above the rest, provisionally) and the tie moved to the bonus row: the
+    step draws there from a kept set whose boundary ties vLLM keeps one of (``sampled_pick``
+    cannot certify the draw)."""
+    b = _draft_tie(seed)
+    logits = torch.zeros(2, 512)
+    logits[0, 222] = logits[1, 77] = logits[1, 300] = 10.0
+    logits[0, 17] = float("nan")
+    b.logits = logits.to(torch.bfloat16)
+    return b
+
+
+def test_need_an_uncertified_draw_is_gathered() -> None:
+    """The finish marks the bonus row a synthetic draw row (need 2: past the flagged row, a
+    certified kept set); the pick's draw there is an unsure boundary tie, so it sets 1 back --
+    also on a request the finish already flagged (a synthetic row of that draw would be a
+    token vLLM may not draw)."""
+    for seed in range(3):
+        res = _tie_step(_bonus_tie(seed), "0.33", "cuda")
+        req, why = flagged_requests(res)
+        assert req.tolist() == [0] and why.tolist() == [FallbackReason.NON_FINITE]
+        rows, gather, draw = resolution_rows(res, np.array([0, 2]), req)
+        assert rows[gather].tolist() == [0, 1] and not draw.any(), seed
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -303,6 +341,22 @@ def test_resolution_logits_synthetic_rows(dtype) -> None:
         resolution_logits(real, np.array([True, True]), np.array([1]), cu, idx_np, draft, temp)
         is real
     )
+    # synthetic draw rows: the step's token at the row's column on top (rows 2 and 6: request
+    # 0's column 2, request 2's column 1), the draft among the others
+    sampled = torch.tensor([[9, 11, 250, -1], [0, 0, 0, 0], [21, 7, -1, -1]])
+    draw = np.array([False, False, True, False, True, False])
+    out = resolution_logits(real, gather, req, cu, idx_np, draft, temp, draw, sampled)
+    for at, tok, t in [(2, 250, 3.0), (4, 7, 0.5), (0, int(draft[1]), 3.0)]:
+        want = torch.full((vocab,), -SYNTHETIC_GAP * max(1.0, t), dtype=dtype)
+        want[tok] = 0
+        assert torch.equal(out[at], want), (at, out[at])
+    assert torch.equal(out[1], real[0]) and torch.equal(out[5], real[1])
+    with pytest.raises(ValueError, match="sampled"):
+        resolution_logits(real, gather, req, cu, idx_np, draft, temp, draw, None)
+    with pytest.raises(ValueError, match="sampled"):
+        resolution_logits(real, gather, req, cu, idx_np, draft, temp, draw, sampled[:2])
+    with pytest.raises(ValueError, match="draw"):  # a row both gathered and drawn
+        resolution_logits(real, gather, req, cu, idx_np, draft, temp, gather, sampled)
     with pytest.raises(ValueError, match="gather"):
         resolution_logits(real, gather[:5], req, cu, idx_np, draft, temp)
     with pytest.raises(ValueError, match="gathered"):
@@ -430,8 +484,8 @@ def test_captured_resolution_equals_the_whole_step(chain: NativeChain) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_vllm_accepts_every_synthetic_row(chain: NativeChain, dtype) -> None:
     """The premise of synthetic rows (shardmax.ops.resolve): on rows that are all synthetic --
-    each draft 40 max(1, T) above every other id -- vLLM's chain accepts every draft, for every
-    uniform draw (8 requests x 3 drafts x 3 seeds), greedy and T from 0.01 to
+    each draft SYNTHETIC_GAP max(1, T) above every other id -- vLLM's chain accepts every
+    draft, for every uniform draw (8 requests x 3 drafts x 3 seeds), greedy and T from 0.01 to
     SYNTHETIC_MAX_TEMPERATURE, with top-k 1 / 2, top-p and min-p on, on the fp32 copy."""
     vocab, num_reqs = 512, 8
     for seed in range(3):
@@ -458,10 +512,72 @@ def test_vllm_accepts_every_synthetic_row(chain: NativeChain, dtype) -> None:
 
 @pytest.mark.e2e
 @by_version
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_vllm_draws_the_token_of_every_synthetic_draw_row(chain: NativeChain, dtype) -> None:
+    """The premise of synthetic draw rows (``VerifyResult.need == 2``): request ``r``'s rows
+    before ``j_r`` synthetic accepts, row ``j_r`` (a draft row or the bonus row) a synthetic draw
+    row of a token ``t_r`` other than its draft -- vLLM's chain accepts the ``j_r`` drafts, then
+    rejects (or, at the bonus row, samples) and draws ``t_r``, whatever its keyed noise (fp32 and
+    fp64 Gumbel): 8 requests x 3 seeds, greedy and T from 0.01 to SYNTHETIC_MAX_TEMPERATURE,
+    top-k 1 / 2, top-p and min-p on."""
+    vocab, num_reqs, k = 512, 8, 3
+    for seed in range(3):
+        b = realistic_batch(num_reqs, k, vocab, seed=seed, mix="top_p", dtype=dtype)
+        slots = b.idx_mapping.long()
+        temp = b.temperature.clone()
+        temp[slots] = torch.tensor([0.0, 0.01, 0.7, 1.0, 1.0, 2.0, 50.0, SYNTHETIC_MAX_TEMPERATURE])
+        top_k = torch.full((temp.numel(),), vocab, dtype=torch.int32)
+        top_k[slots[2:4]] = torch.tensor([1, 2], dtype=torch.int32)
+        min_p = torch.zeros_like(temp)
+        min_p[slots[5]] = 0.1
+        kw = verify_inputs(b, temperature=temp, top_k=top_k, min_p=min_p)
+        cu = kw["cu_num_logits_np"]
+        gen = torch.Generator().manual_seed(100 + seed)
+        j = torch.randint(0, k + 1, (num_reqs,), generator=gen)  # each request's draw row
+        drafts = b.draft_sampled.long()
+        sampled = torch.full((num_reqs, k + 1), -1, dtype=torch.int64)
+        draw = np.zeros(int(cu[-1]), dtype=bool)
+        for r in range(num_reqs):
+            row = int(cu[r]) + int(j[r])
+            d = int(drafts[row + 1]) if int(j[r]) < k else -1
+            t = int(torch.randint(0, vocab, (1,), generator=gen))
+            sampled[r, int(j[r])] = t if t != d else (t + 1) % vocab
+            draw[row] = True
+        synthetic = resolution_logits(
+            b.logits[:0], np.zeros(draw.size, dtype=bool), np.arange(num_reqs), cu,
+            kw["idx_mapping_np"], kw["draft_sampled"], kw["temperature_gpu"], draw, sampled,
+        )  # fmt: skip
+        for fp64 in (False, True):
+            out = chain.verify(synthetic, **kw, use_fp64_gumbel=fp64)
+            assert out.num_sampled.tolist() == (j + 1).tolist(), (seed, fp64, out.num_sampled)
+            got = out.sampled.long().cpu()
+            for r in range(num_reqs):
+                jr = int(j[r])
+                want = [*drafts.view(num_reqs, k + 1)[r, 1 : jr + 1].tolist(), int(sampled[r, jr])]
+                assert got[r, : jr + 1].tolist() == want, (seed, fp64, r)
+
+
+@pytest.mark.e2e
+@by_version
 def test_unsure_draft_tie_resolved_equals_vllm(chain: NativeChain) -> None:
     """The adversarial review's case, 12 seeds (vLLM keeps either tie): resolved == vLLM."""
     for seed in range(12):
         b = _draft_tie(seed)
+        kw = verify_inputs(b)
+        whole = chain.verify(b.logits, **kw)
+        res = _tie_step(b, chain.version)
+        req, _ = flagged_requests(res)
+        resolve_requests(res, req, full_rows(b.logits), chain, kw)
+        _assert_same(res, whole, f"vLLM {chain.version} seed {seed}")
+
+
+@pytest.mark.e2e
+@by_version
+def test_uncertified_draw_resolved_equals_vllm(chain: NativeChain) -> None:
+    """:func:`_bonus_tie` over 12 seeds (vLLM keeps either tie at the bonus row): resolved ==
+    vLLM."""
+    for seed in range(12):
+        b = _bonus_tie(seed)
         kw = verify_inputs(b)
         whole = chain.verify(b.logits, **kw)
         res = _tie_step(b, chain.version)

@@ -16,8 +16,10 @@ re-running the whole step on the all-gathered logits, the caller resolves only t
    step), laid out as vLLM's ``compute_logits`` lays out the gathered logits (``[m', tp * W]``
    viewed as ``[m', V]``);
 4. :func:`resolution_logits` -- the requests' ``[m, V]`` rows: the gathered ones, and for every
-   certified row a *synthetic* row (its draft far above every other id) on which vLLM's chain
-   surely accepts the draft, as it does on the real row;
+   certified row a *synthetic* row on which vLLM's chain surely does what it does on the real
+   row: accept the draft (the draft far above every other id), or, on the row the step drew
+   from with a certified decision and token, reject the draft and draw that token (the token
+   far above every other id, the draft among them);
 5. a resolver that applies vLLM's semantics to those rows exactly as inside the whole step (the
    vLLM plug-in uses :meth:`shardmax.integrations.vllm.chain.NativeChain.verify_requests`, vLLM's own
    kernels with the whole step's per-chunk decisions);
@@ -25,23 +27,33 @@ re-running the whole step on the all-gathered logits, the caller resolves only t
 
 Every rank calls 3.-6. with the same ``requests`` (collective), after 1. and 2.
 
-Why a synthetic row gives the real row's answer: the resolution only needs vLLM's decision on a
-certified row -- the draft is accepted -- because a request's outcome is its accepted prefix and
-the token drawn at the first rejected row (or the bonus row), and every drawing row is gathered.
-On a row whose draft ``d`` sits at 0 and every other id at ``-40 max(1, T)`` (model dtype; ``T <=``
-:data:`SYNTHETIC_MAX_TEMPERATURE`), vLLM's processed row (temperature, then top-k / top-p / min-p,
-which all keep the unique maximum) has every other id about 40 below ``d`` (>= 39.9 after the
-model dtype's rounding of ``-40 T``): its fp32 ``sum exp`` is exactly 1 (``262144 exp(-39.9) <
-2**-25``), so ``log p(d) = 0``. vLLM 0.32 and 0.33 accept iff ``log p(d) > log u`` with ``u`` in
-``(0, 1)`` -- for a real row it accepted, ``log u < log p(d) <= 0``, so it accepts the synthetic
-row for the same ``u`` (keyed by ``(seed, pos)``, unchanged); greedy rows accept iff the argmax
-is ``d``. Rows after a certified stop are never reached; they are synthetic too.
+Why a synthetic row gives the real row's answer: a request's outcome is its accepted prefix and
+the token drawn at the first rejected row (or the bonus row). A synthetic row puts one id ``t``
+at 0 and every other id at ``-60 max(1, T)`` (model dtype; ``T <=``
+:data:`SYNTHETIC_MAX_TEMPERATURE`); vLLM's processed row (temperature, then top-k / top-p / min-p,
+which all keep the unique maximum) has every other id at least 59.7 below ``t`` (the model
+dtype's rounding of ``-60 T`` included), so its fp32 ``sum exp`` is exactly 1 (``262144
+exp(-59.7) < 2**-25``) and ``log p(t) = 0``, ``log p(v) <= -59.7`` elsewhere.
+
+* Certified accept (``t`` = the draft ``d``): vLLM 0.32 and 0.33 accept iff ``log p(d) > log u``
+  with ``u`` in ``(0, 1)`` -- for a real row it accepted, ``log u < log p(d) <= 0``, so it accepts
+  the synthetic row for the same ``u`` (keyed by ``(seed, pos)``, unchanged); greedy rows accept
+  iff the argmax is ``d``.
+* Certified draw (``t`` = the token the step drew at that row; ``VerifyResult.need == 2``):
+  ``log p(d) <= -59.7`` is below every ``log u`` vLLM draws (``u >= 4.66e-10``, Triton's
+  ``tl.rand`` floor: ``log u >= -21.5``), so vLLM rejects (greedy: the argmax is ``t != d``), and
+  draws from the row with its keyed Gumbel noise, which lies in ``[-3.6, 37.4]`` (its fp32 and
+  fp64 uniforms are bounded away from 0 and 1): ``t`` scores at least -3.6, every other id at most
+  ``-59.7 + 37.4``, so it draws ``t`` -- the token it draws on the real row, whenever it reaches
+  that row (it does only after accepting every row before, as this step did).
+
+Rows after a certified stop are never reached; they are synthetic too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -52,6 +64,7 @@ from shardmax.runtime.shard import ShardContext
 __all__ = [
     "SYNTHETIC_GAP",
     "SYNTHETIC_MAX_TEMPERATURE",
+    "ResolutionRows",
     "apply_resolved",
     "check_requests",
     "flagged_requests",
@@ -63,11 +76,11 @@ __all__ = [
     "stage",
 ]
 
-SYNTHETIC_GAP = 40.0
-"""A synthetic row's other ids sit ``SYNTHETIC_GAP * max(1, T)`` below its draft (module doc)."""
+SYNTHETIC_GAP = 60.0
+"""A synthetic row's other ids sit ``SYNTHETIC_GAP * max(1, T)`` below its top id (module doc)."""
 SYNTHETIC_MAX_TEMPERATURE = 1000.0
 """Above it (or NaN) no row of a request is synthetic (``sampled_finish_*`` marks every row to
-gather): ``40 T`` must stay finite in fp16 (65504)."""
+gather): ``SYNTHETIC_GAP * T`` must stay finite in fp16 (65504)."""
 
 
 def stage(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -110,27 +123,39 @@ def request_rows(cu_num_logits_np: np.ndarray, requests: np.ndarray) -> np.ndarr
     return np.concatenate([np.arange(cu[r], cu[r + 1], dtype=np.int64) for r in req])
 
 
+class ResolutionRows(NamedTuple):
+    """The logits rows of a resolution (:func:`resolution_rows`), host arrays of one length."""
+
+    rows: np.ndarray
+    """int64 ``[m]``: every logits row of the resolved requests, in order."""
+    gather: np.ndarray
+    """bool ``[m]``: the rows whose real logits the resolution gathers."""
+    draw: np.ndarray
+    """bool ``[m]``: synthetic rows of a certified draw (the step's token on top); the other rows
+    not gathered are synthetic certified accepts (the draft on top)."""
+
+
 def resolution_rows(
     result: VerifyResult, cu_num_logits_np: np.ndarray, requests: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(rows, gather)``: int64 ``[m]`` every logits row of ``requests`` in order
-    (:func:`request_rows`) and bool ``[m]`` which of them the resolution must gather
-    (``result.need``, written by the finish: see its kernel's docstring; every row when
-    ``result.need`` is None). One device->host copy of ``need`` (``[num_logits]`` int8), made
-    after :func:`flagged_requests`' read, so it waits for nothing.
+) -> ResolutionRows:
+    """Every logits row of ``requests`` in order (:func:`request_rows`), which of them the
+    resolution must gather and which become synthetic rows of a certified draw
+    (``result.need`` 1 and 2, written by the finish: see its kernel's docstring; every row is
+    gathered when ``result.need`` is None). One device->host copy of ``need`` (``[num_logits]``
+    int8), made after :func:`flagged_requests`' read, so it waits for nothing.
 
     Raises:
         ValueError / TypeError: as :func:`request_rows`; ``result.need`` shorter than the rows.
     """
     rows = request_rows(cu_num_logits_np, requests)
     if result.need is None or rows.size == 0:
-        return rows, np.ones(rows.size, dtype=bool)
+        return ResolutionRows(rows, np.ones(rows.size, dtype=bool), np.zeros(rows.size, dtype=bool))
     need = result.need.detach().to("cpu").numpy()
     if need.shape[0] <= int(rows[-1]):
         raise ValueError(
             f"result.need: expected [num_logits >= {int(rows[-1]) + 1}], got {need.shape}"
         )
-    return rows, need[rows] != 0
+    return ResolutionRows(rows, need[rows] == 1, need[rows] == 2)
 
 
 def resolution_logits(
@@ -141,10 +166,13 @@ def resolution_logits(
     idx_mapping_np: np.ndarray,
     draft_sampled: torch.Tensor,
     temperature: torch.Tensor,
+    draw: np.ndarray | None = None,
+    sampled: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``[m, V]`` logits rows of ``requests`` a resolver verifies: the gathered rows where
-    ``gather`` is set, a synthetic row elsewhere (module doc: the row's draft at 0, every other
-    id at ``-SYNTHETIC_GAP * clamp(T, 1, SYNTHETIC_MAX_TEMPERATURE)`` in the model dtype).
+    ``gather`` is set, a synthetic row elsewhere (module doc: one id at 0, every other id at
+    ``-SYNTHETIC_GAP * clamp(T, 1, SYNTHETIC_MAX_TEMPERATURE)`` in the model dtype; that id is the
+    row's draft, or where ``draw`` is set the token ``sampled`` holds at the row's position).
 
     Args:
         gathered: ``[m', V]`` the rows :func:`gather_rows` returned for ``rows[gather]`` (model
@@ -154,20 +182,31 @@ def resolution_logits(
             ``idx_mapping_np`` ``[num_reqs]`` the step's (host).
         draft_sampled: ``[num_logits]`` the step's drafts (row ``g`` verifies ``draft_sampled[g +
             1]``); ``temperature``: fp32 ``[max_num_reqs]`` per request-state slot (device).
+        draw: bool ``[m]`` (:func:`resolution_rows`), never set where ``gather`` is; None: none.
+        sampled: the step's ``VerifyResult.sampled`` (``[num_reqs, K + 1]`` int64; request
+            ``r``'s row ``cu[r] + j`` drew the token at column ``j``); required where ``draw`` is
+            set.
 
     Returns:
         ``gathered`` itself when every row is gathered; else a new ``[m, V]`` tensor with
         ``gathered``'s row stride (vLLM's ``compute_logits`` layout when it has it).
 
     Raises:
-        ValueError: ``gather`` not ``[m]`` booleans with ``gathered.shape[0]`` set, or
-            ``gathered`` not ``[m', V]``.
+        ValueError: ``gather`` / ``draw`` not ``[m]`` booleans, ``gathered.shape[0]`` not the
+            rows gathered, a row both gathered and drawn, ``gathered`` not ``[m', V]``, or draw
+            rows without a ``[num_reqs, K + 1]`` ``sampled`` that holds their columns.
     """
     rows = request_rows(cu_num_logits_np, requests)
     m = int(rows.size)
     keep = np.asarray(gather)
     if keep.shape != (m,) or keep.dtype != np.bool_:
         raise ValueError(f"gather: expected bool [{m}], got {keep.dtype} {list(keep.shape)}")
+    drawn = np.zeros(m, dtype=bool) if draw is None else np.asarray(draw)
+    if drawn.shape != (m,) or drawn.dtype != np.bool_ or bool((drawn & keep).any()):
+        raise ValueError(
+            f"draw: expected bool [{m}] set only on rows not gathered, got {drawn.dtype} "
+            f"{list(drawn.shape)}"
+        )
     if gathered.dim() != 2 or gathered.shape[0] != int(keep.sum()):
         raise ValueError(
             f"gathered: expected [{int(keep.sum())}, V] (the rows to gather), got "
@@ -176,13 +215,32 @@ def resolution_logits(
     if bool(keep.all()):
         return gathered
     vocab, dev = gathered.shape[1], gathered.device
-    counts = np.diff(np.asarray(cu_num_logits_np, dtype=np.int64))[
-        check_requests(requests, len(cu_num_logits_np) - 1)
-    ]
-    slots = np.repeat(np.asarray(idx_mapping_np, dtype=np.int64)[requests], counts)
+    cu = np.asarray(cu_num_logits_np, dtype=np.int64)
+    req = check_requests(requests, len(cu) - 1)
+    counts = np.diff(cu)[req]
+    slots = np.repeat(np.asarray(idx_mapping_np, dtype=np.int64)[req], counts)
     nxt = np.minimum(rows + 1, draft_sampled.shape[0] - 1)
-    idx = stage(np.concatenate([nxt, slots, np.flatnonzero(keep)]), dev)
-    token = draft_sampled.index_select(0, idx[:m]).long().clamp_(0, vocab - 1)
+    parts = [nxt, slots, np.flatnonzero(keep)]
+    picks: torch.Tensor | None = None  # the draw rows' tokens, flattened
+    if drawn.any():
+        if sampled is None or sampled.dim() != 2 or sampled.shape[0] != len(cu) - 1:
+            raise ValueError(
+                f"sampled: expected [{len(cu) - 1}, K + 1] (the step's tokens) for the draw rows, "
+                f"got {None if sampled is None else list(sampled.shape)}"
+            )
+        col = rows - np.repeat(cu[req], counts)  # each row's column in its request's tokens
+        if int(col[drawn].max()) >= sampled.shape[1]:
+            raise ValueError(f"sampled: {list(sampled.shape)} lacks a draw row's column")
+        flat = np.repeat(req, counts) * sampled.shape[1] + col
+        parts += [np.flatnonzero(drawn), flat[drawn]]
+        picks = sampled.reshape(-1)
+    idx = stage(np.concatenate(parts), dev)
+    token = draft_sampled.index_select(0, idx[:m]).long()
+    if picks is not None:
+        nd, at = int(drawn.sum()), 2 * m + int(keep.sum())
+        picked = picks.index_select(0, idx[at + nd :])
+        token.index_copy_(0, idx[at : at + nd], picked.long())
+    token.clamp_(0, vocab - 1)
     low = temperature.index_select(0, idx[m : 2 * m]).clamp_(1.0, SYNTHETIC_MAX_TEMPERATURE)
     low.mul_(-SYNTHETIC_GAP)  # exact in fp32, then rounded once to the model dtype by the copy
     width = max(vocab, gathered.stride(0)) if gathered.shape[0] else vocab
@@ -190,7 +248,7 @@ def resolution_logits(
     out.copy_(low[:, None].expand(m, vocab))
     out.scatter_(1, token[:, None], 0.0)
     if gathered.shape[0]:
-        out.index_copy_(0, idx[2 * m :], gathered)
+        out.index_copy_(0, idx[2 * m : 2 * m + int(keep.sum())], gathered)
     return out
 
 
@@ -327,10 +385,10 @@ def resolve_requests(
         int64 ``[m']``: the logits rows gathered (what crossed the ranks).
     """
     cu = inputs["cu_num_logits_np"]
-    rows, gather = resolution_rows(result, cu, requests)
+    rows, gather, draw = resolution_rows(result, cu, requests)
     logits = resolution_logits(
         fetch_rows(rows[gather]), gather, requests, cu, inputs["idx_mapping_np"],
-        inputs["draft_sampled"], inputs["temperature_gpu"],
+        inputs["draft_sampled"], inputs["temperature_gpu"], draw, result.sampled,
     )  # fmt: skip
     sub = resolver.verify_requests(logits, requests, **inputs)
     apply_resolved(result, requests, sub[0], sub[1], sub[2])

@@ -156,8 +156,10 @@ class VerifyResult(NamedTuple):
     need: torch.Tensor | None = None
     """int8 ``[num_logits]``: 1 on the rows of flagged requests a per-request resolution must
     gather (:func:`shardmax.ops.resolve.resolution_rows`; the others are certified and verified
-    on synthetic rows), 0 on their other rows; unspecified on rows of unflagged requests. None:
-    every row of a flagged request is gathered."""
+    on synthetic rows), 2 on the row a flagged request drew from past its first flagged row with
+    a certified decision and token (a synthetic row of that token), 0 on their other rows;
+    unspecified on rows of unflagged requests. None: every row of a flagged request is
+    gathered."""
 
 
 def empty_result(num_reqs: int, k: int, device: torch.device, num_logits: int = 0) -> VerifyResult:

@@ -90,8 +90,8 @@ def record_exchanges(
         gathered.append(g2)
     req, _ = flagged_requests(res)
     if req.size:
-        rows_np, gather = resolution_rows(res, cu_np, req)  # the rows the resolution gathers
-        rows = torch.from_numpy(rows_np[gather]).to(shards[0].local_logits.device)
+        plan = resolution_rows(res, cu_np, req)  # the rows the resolution gathers
+        rows = torch.from_numpy(plan.rows[plan.gather]).to(shards[0].local_logits.device)
         gathered.append(torch.cat([s.local_logits[rows] for s in shards], dim=0))
     return gathered, res
 
