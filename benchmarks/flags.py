@@ -41,7 +41,8 @@ import torch
 
 FIELDS = [
     "vocab", "tp", "rows", "reqs_per_step", "steps", "path", "mode", "candidates",
-    "flagged_req_pct", "flagged_rows_pct", "steps_flagged_pct", "record_bytes_per_rank",
+    "flagged_req_pct", "flagged_rows_pct", "draw_rows_pct", "steps_flagged_pct",
+    "record_bytes_per_rank",
     "wire_pct_of_allgather", "reasons", "replay_reasons", "oracle_requests", "oracle_mismatch",
 ]  # fmt: skip
 WIRE_TARGET_PCT = 5.0
@@ -156,7 +157,7 @@ def run_hist_case(
     width = -(-vocab // tp)
     rows = reqs * 4
     config = pipeline_for(rows, "cuda", "0.33")
-    flagged = flagged_rows = steps_flagged = compared = mismatch = 0
+    flagged = flagged_rows = draw_rows = steps_flagged = compared = mismatch = 0
     why: Counter[str] = Counter()
     replay_why: Counter[str] = Counter()
     words = 0
@@ -185,7 +186,9 @@ def run_hist_case(
                 first = uncert[0] if uncert else -1
                 replay_why[ReplayReason(first).name if 0 < first < 7 else str(first)] += 1
         flagged += int(req.size)
-        flagged_rows += int(resolution_rows(res, cu_np, req).gather.sum())  # the rows gathered
+        plan = resolution_rows(res, cu_np, req)
+        flagged_rows += int(plan.gather.sum())  # the rows gathered
+        draw_rows += int(plan.draw.sum())  # certified draw rows: synthetic, not gathered
         steps_flagged += int(req.size > 0)
         why.update(FallbackReason(int(x)).name for x in codes)
         if chain is not None:
@@ -208,6 +211,7 @@ def run_hist_case(
         "path": "histogram", "mode": "fast", "candidates": 0,
         "flagged_req_pct": 100.0 * flagged / (reqs * seeds),
         "flagged_rows_pct": 100.0 * flagged_rows / (rows * seeds),
+        "draw_rows_pct": 100.0 * draw_rows / (rows * seeds),
         "steps_flagged_pct": 100.0 * steps_flagged / seeds,
         "record_bytes_per_rank": rec,
         "wire_pct_of_allgather": 100.0 * (rec + gathered) / full,
@@ -255,12 +259,17 @@ def plot(rows: list[dict], png: Path) -> None:
     fig.savefig(png, dpi=90)
 
 
+def _pct(x: Any) -> str:
+    return "-" if x == "" or x is None else f"{float(x):.1f} %"
+
+
 def summary(rows: list[dict]) -> str:
     lines = [
         "# Flags and bytes on realistic T = 1 / top-p 0.95 traffic (issue 18)", "",
         "| V | TP | rows | path | mode | C | requests flagged | steps with a flag | rows gathered "
-        "| record B / rank | bytes vs all-gather | != vLLM 0.33 (flagged: resolved) | reasons | replay reasons |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| draw rows (synthetic) | record B / rank | bytes vs all-gather "
+        "| != vLLM 0.33 (flagged: resolved) | reasons | replay reasons |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:
         oracle = (
@@ -272,7 +281,8 @@ def summary(rows: list[dict]) -> str:
             f"| {r['vocab']} | {r['tp']} | {r['rows']} | {r['path']} | {r['mode']} | "
             f"{r['candidates'] or '-'} | {r['flagged_req_pct']:.1f} % | "
             f"{r['steps_flagged_pct']:.0f} % | {r['flagged_rows_pct']:.1f} % | "
-            f"{r['record_bytes_per_rank']} | {r['wire_pct_of_allgather']:.1f} % | {oracle} | "
+            f"{_pct(r.get('draw_rows_pct', ''))} | {r['record_bytes_per_rank']} | "
+            f"{r['wire_pct_of_allgather']:.1f} % | {oracle} | "
             f"{r['reasons']} | {r['replay_reasons'] or '-'} |"
         )
     ok = [r for r in rows if r["wire_pct_of_allgather"] <= WIRE_TARGET_PCT]
