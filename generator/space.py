@@ -120,8 +120,11 @@ def topp_variants() -> Iterator[VariantKey]:
 
 def graph_variants() -> Iterator[VariantKey]:
     """A step replayed from a CUDA graph (:mod:`shardmax.runtime.graphs`): the byte copies
-    between the addresses of the step's argument table."""
+    between the addresses of the step's argument table; the padded sub-batch of a per-request
+    resolution replayed from one (``CapturedResolution``), per logits dtype."""
     yield VariantKey("table_copy")
+    for dtype in DTYPES:
+        yield VariantKey("resolve_fill", dtype=dtype)
 
 
 def all_variants() -> list[VariantKey]:
@@ -147,6 +150,7 @@ TEMPLATE_OF_FAMILY = {
     "strict_replay": "strict_replay.py.j2",
     "strict_lse": "strict_lse.py.j2",
     "table_copy": "table_copy.py.j2",
+    "resolve_fill": "resolve_fill.py.j2",
     "topp_hist": "topp_hist.py.j2",
     "topp_combine": "topp_combine.py.j2",
     "topp_replay": "topp_replay.py.j2",
@@ -168,6 +172,8 @@ def template_context(key: VariantKey) -> dict[str, object]:
         "topp_replay",
     ):
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], block=key.block)
+    elif key.family == "resolve_fill":
+        ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)])
     elif key.family in ("block_stats", "strict_rebuild"):
         ctx.update(dtype=key.dtype, tl_dtype=TL_DTYPE[str(key.dtype)], align=key.align)
     elif key.family == "strict_replay":

@@ -57,11 +57,13 @@
 #   bash scripts/gpu_session.sh X   one H200: graph, resolution and histogram top-p GPU tests
 #   bash scripts/gpu_session.sh Y   one H200: flags and bytes of the histogram path, then stage
 #                                   U's top-p step benchmark
+#   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
+#                                   benchmark (after a change of the resolution's host path)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
 # ones into generated/<arch>/). Everything comes back as $OUT/results.tar.gz plus the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage A-Y}
+STAGE=${1:?stage A-Z}
 OUT=${OUT:-out/session}; mkdir -p "$OUT"
 TABLES=$PWD/out/tables; mkdir -p "$TABLES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -445,6 +447,17 @@ Y)
   topp_step_hist Y 570
   tar -czf "$OUT/Y.tar.gz" -C "$OUT" flags_hist topp_step 2>/dev/null
   rm -rf "$OUT/flags_hist" "$OUT/topp_step"
+  ;;
+Z)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "resolution GPU tests"
+  SHARDMAX_RESOLVE_GPU_SEEDS=${RESOLVE_SEEDS:-4} timeout "$(left 200)" python3 -m pytest -m gpu \
+    -q -p no:cacheprovider -s tests/test_resolve.py >"$OUT/resolve_Z.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED|\[captured" "$OUT/resolve_Z.log" | tail -12
+  stamp "top-p step: plug-in call vs vLLM (emulated TP)"
+  topp_step_hist Z 570
+  tar -czf "$OUT/Z.tar.gz" -C "$OUT" topp_step 2>/dev/null
+  rm -rf "$OUT/topp_step"
   ;;
 P)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels

@@ -33,6 +33,7 @@ from shardmax.integrations.vllm.resolution import CapturedResolution
 from shardmax.ops.resolve import (
     SYNTHETIC_GAP,
     SYNTHETIC_MAX_TEMPERATURE,
+    ResolutionRows,
     apply_resolved,
     flagged_requests,
     gather_rows,
@@ -477,6 +478,65 @@ def test_captured_resolution_equals_the_whole_step(chain: NativeChain) -> None:
         res.verify_requests(rows, np.array([0]), **{**off, "temprature_gpu": None})
     with pytest.raises(TypeError, match="rows_logits"):
         res.verify_requests(rows.tolist(), np.array([0]), **off)
+
+
+def _sub_state(res: CapturedResolution) -> list[torch.Tensor]:
+    """The input buffers of a resolver's capacities (logits, indices), in order."""
+    return [
+        t.clone()
+        for sub in res._subs.values()
+        for t in (sub.logits, *sub.row_index.values(), sub.idx_mapping, sub.seq_lens, sub.cu)
+    ]
+
+
+@pytest.mark.e2e
+@by_version
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_verify_resolution_equals_the_rows_built_apart(chain: NativeChain, dtype) -> None:
+    """``CapturedResolution.verify_resolution`` (one ``resolve_fill`` launch builds the gathered,
+    synthetic accept, synthetic draw and padding rows and the sub-batch's indices in the
+    capacity's buffers) leaves every buffer and output bit-identical to ``resolution_logits`` +
+    ``verify_requests``, over steps of 3, 1 and 2 requests (stale rows back to padding), T 0 to
+    2 * SYNTHETIC_MAX_TEMPERATURE (the kernel's clamp), greedy, top-p."""
+    from shardmax.integrations.vllm.resolution import FILL_WORDS
+    from shardmax.runtime.kernels import load
+
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    assert load(f"resolve_fill_{name}").WORDS.value == FILL_WORDS
+    vocab, num_reqs, k = 512, 8, 3
+    b, temp, top_p = _mixed_batch(9, num_reqs, vocab)
+    b.logits = b.logits.to(dtype)
+    temp[b.idx_mapping.long()[2]] = 0.5
+    temp[b.idx_mapping.long()[4]] = 2 * SYNTHETIC_MAX_TEMPERATURE
+    kw = verify_inputs(b, temperature=temp, top_p=top_p)
+    cu = kw["cu_num_logits_np"]
+    gen = torch.Generator().manual_seed(4)
+    sampled = torch.randint(0, vocab, (num_reqs, k + 1), generator=gen)
+    apart = CapturedResolution(chain, capacities=(1, 4), padded=True)
+    fused = CapturedResolution(chain, capacities=(1, 4), padded=True)
+    for req in (np.array([1, 2, 4]), np.array([6]), np.array([0, 7])):
+        rows = request_rows(cu, req)
+        gather = torch.rand(rows.size, generator=gen).numpy() < 0.4
+        draw = ~gather & (torch.rand(rows.size, generator=gen).numpy() < 0.3)
+        plan = ResolutionRows(rows, gather, draw)
+        gathered = b.logits[torch.from_numpy(rows[gather])]
+        want = apart.verify_requests(
+            resolution_logits(
+                gathered, gather, req, cu, kw["idx_mapping_np"], kw["draft_sampled"],
+                kw["temperature_gpu"], draw, sampled,
+            ), req, **kw,
+        )  # fmt: skip
+        got = fused.verify_resolution(gathered, plan, req, sampled, **kw)
+        _assert_same(got, tuple(t.cpu() for t in want), f"fused {req}")
+        for a, w in zip(_sub_state(fused), _sub_state(apart), strict=True):
+            assert torch.equal(a, w), req
+    assert fused.stats == apart.stats
+    with pytest.raises(ValueError, match="gathered"):
+        fused.verify_resolution(gathered[:0], plan, req, sampled, **kw)
+    with pytest.raises(ValueError, match="sampled"):
+        fused.verify_resolution(gathered, plan, req, sampled[:2], **kw)
+    with pytest.raises(TypeError, match="unexpected"):
+        fused.verify_resolution(gathered, plan, req, sampled, **kw, temprature_gpu=None)
 
 
 @pytest.mark.e2e

@@ -377,7 +377,8 @@ def resolve_requests(
     (:func:`resolution_rows`), ``fetch_rows(rows)`` -> their ``[m', V]`` logits (the plug-in:
     :func:`gather_rows` on the shard, a collective; tests: rows of the full tensor), the
     synthetic rows (:func:`resolution_logits`), ``resolver.verify_requests(logits, requests,
-    **inputs)`` (:meth:`~shardmax.integrations.vllm.chain.NativeChain.verify_requests`' contract:
+    **inputs)`` -- or, for a resolver with ``verify_resolution`` (``CapturedResolution``), that
+    method on the gathered rows and the rows' plan (it builds the synthetic rows itself) (:meth:`~shardmax.integrations.vllm.chain.NativeChain.verify_requests`' contract:
     ``inputs`` are the whole step's arguments, with ``cu_num_logits_np``, ``idx_mapping_np``,
     ``draft_sampled`` and ``temperature_gpu``) and :func:`apply_resolved`.
 
@@ -385,11 +386,16 @@ def resolve_requests(
         int64 ``[m']``: the logits rows gathered (what crossed the ranks).
     """
     cu = inputs["cu_num_logits_np"]
-    rows, gather, draw = resolution_rows(result, cu, requests)
-    logits = resolution_logits(
-        fetch_rows(rows[gather]), gather, requests, cu, inputs["idx_mapping_np"],
-        inputs["draft_sampled"], inputs["temperature_gpu"], draw, result.sampled,
-    )  # fmt: skip
-    sub = resolver.verify_requests(logits, requests, **inputs)
+    plan = resolution_rows(result, cu, requests)
+    gathered = fetch_rows(plan.rows[plan.gather])
+    fused = getattr(resolver, "verify_resolution", None)
+    if fused is not None:  # builds the synthetic rows in its own buffers (CapturedResolution)
+        sub = fused(gathered, plan, requests, result.sampled, **inputs)
+    else:
+        logits = resolution_logits(
+            gathered, plan.gather, requests, cu, inputs["idx_mapping_np"],
+            inputs["draft_sampled"], inputs["temperature_gpu"], plan.draw, result.sampled,
+        )  # fmt: skip
+        sub = resolver.verify_requests(logits, requests, **inputs)
     apply_resolved(result, requests, sub[0], sub[1], sub[2])
-    return rows[gather]
+    return plan.rows[plan.gather]

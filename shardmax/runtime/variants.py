@@ -24,6 +24,7 @@ fixed order and are present only when the family has that axis::
     topp_combine_bf16               top-p replay, local stage: a row's split records -> its record
     topp_replay_bf16                top-p replay: the ranks' records -> each row's kept set
     table_copy                      a replayed step's byte copies between table-held addresses
+    resolve_fill_bf16               a resolution's padded sub-batch (synthetic rows, indices)
 
 ``tp`` is ``2``, ``4`` or ``8`` (the loop over ranks is unrolled) or ``n`` (any TP size,
 non-powers of two included). Names are valid Python module names.
@@ -50,6 +51,7 @@ FAMILIES = (
     "strict_replay",
     "strict_lse",
     "table_copy",
+    "resolve_fill",
     "topp_hist",
     "topp_combine",
     "topp_replay",
@@ -62,6 +64,7 @@ UNROLLED_TP = (2, 4, 8)
 _NAME_RE = re.compile(
     r"^(?P<family>shard_keys|argmax_pick|verify_finish|sampled_record|sampled_finish"
     r"|sampled_draw|sampled_pick|sampled_merge|row_params|block_stats|strict_rebuild|strict_replay|strict_lse|table_copy"
+    r"|resolve_fill"
     r"|topp_hist|topp_combine|topp_replay)"
     r"(?:_(?P<dtype>bf16|fp16|fp32))?"
     r"(?:_va(?P<align>\d+))?"
@@ -109,6 +112,12 @@ class VariantKey:
                 raise ValueError(f"{self.family} needs dtype and align 1 or 16: {self}")
             if (self.block, self.tp, self.transport) != (None,) * 3:
                 raise ValueError(f"{self.family} has no block/tp/transport axis: {self}")
+        elif self.family == "resolve_fill":
+            if (
+                self.dtype not in DTYPES
+                or (self.align, self.block, self.tp, self.transport) != (None,) * 4
+            ):
+                raise ValueError(f"resolve_fill has only the dtype axis: {self}")
         elif self.family == "strict_replay":
             if (
                 self.align not in (1, 16)

@@ -63,7 +63,15 @@ from shardmax.integrations.vllm.chain import (
     max_chunk_logits,
     request_chunks,
 )
-from shardmax.ops.resolve import check_requests, stage
+from shardmax.ops.resolve import (
+    SYNTHETIC_GAP,
+    SYNTHETIC_MAX_TEMPERATURE,
+    ResolutionRows,
+    check_requests,
+    resolution_logits,
+    stage,
+)
+from shardmax.runtime import kernels
 
 __all__ = ["CAPACITIES", "CapturedResolution"]
 
@@ -104,6 +112,81 @@ class _Key(NamedTuple):
     pipeline: str
     fp64: bool
     persistent: tuple[Any, ...]  # (name, address, dtype, shape) of the _PERSISTENT tensors
+
+
+class _Rows(NamedTuple):
+    """What :meth:`CapturedResolution._plan` reads of the rows' tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+FILL_WORDS = 5
+"""int64 words per row of ``resolve_fill``'s row table (its ``WORDS``)."""
+_FILL_VARIANTS = frozenset(f"resolve_fill_{d}" for d in _DTYPE_NAMES.values())
+
+
+def _fill_table(
+    plan: tuple[Any, tuple[int, int], np.ndarray, int, int],
+    rows: ResolutionRows,
+    requests: np.ndarray,
+    cu_np: np.ndarray,
+    step: dict[str, Any],
+    sampled: torch.Tensor,
+    gathered: torch.Tensor,
+) -> np.ndarray:
+    """The int64 table of ``resolve_fill`` for a planned step, rows ``m`` and later left to
+    the kernel's caller (sources ``-3``: :meth:`CapturedResolution._fill_kernel` marks the
+    stale ones). Checked here as :func:`~shardmax.ops.resolve.resolution_logits` checks its
+    arguments (the kernel clamps nothing but the top id).
+
+    Raises:
+        ValueError: ``rows`` not the requests' rows, ``gathered`` not ``[rows gathered, V]``,
+            a draw row without its column in ``sampled`` (``[num_reqs, K + 1]``).
+    """
+    _, (cap_rows, _), index, _, m = plan
+    cu = np.asarray(cu_np, dtype=np.int64)
+    req = check_requests(requests, len(cu) - 1)
+    counts = np.diff(cu)[req]
+    keep, drawn = np.asarray(rows.gather), np.asarray(rows.draw)
+    if (
+        rows.rows.shape != (m,)
+        or keep.shape != (m,)
+        or drawn.shape != (m,)
+        or keep.dtype != np.bool_
+        or drawn.dtype != np.bool_
+        or bool((keep & drawn).any())
+    ):
+        raise ValueError(
+            f"rows: expected the {m} rows of the requests with bool gather / draw masks that "
+            "never overlap"
+        )
+    if gathered.shape[0] != int(keep.sum()):
+        raise ValueError(
+            f"gathered: expected [{int(keep.sum())}, V] (the rows to gather), got "
+            f"{list(gathered.shape)}"
+        )
+    col = rows.rows - np.repeat(cu[req], counts)
+    k1 = int(sampled.shape[1])
+    if drawn.any() and (sampled.shape[0] != len(cu) - 1 or int(col[drawn].max()) >= k1):
+        raise ValueError(
+            f"sampled: expected [{len(cu) - 1}, K + 1] holding the draw rows' columns, got "
+            f"{list(sampled.shape)}"
+        )
+    table = np.empty((cap_rows, FILL_WORDS), dtype=np.int64)
+    row_sel = index[:cap_rows]
+    table[:, 0] = -3
+    table[:m, 0] = np.where(keep, np.cumsum(keep) - 1, -1)
+    table[:, 1] = np.minimum(row_sel + 1, step["draft_sampled"].shape[0] - 1)
+    table[:, 2] = -1
+    table[:m, 2] = np.where(drawn, np.repeat(req, counts) * k1 + col, -1)
+    slots = np.asarray(step["idx_mapping_np"], dtype=np.int64)
+    table[:, 3] = slots[req[0]]
+    table[:m, 3] = np.repeat(slots[req], counts)
+    table[:, 4] = row_sel
+    return np.concatenate([table.reshape(-1), index[cap_rows:]])  # then req_sel, cu
 
 
 def _state(step: dict[str, Any]) -> Any:
@@ -223,9 +306,97 @@ class CapturedResolution:
             self.stats["eager"] += 1
             return self.chain.verify_requests(rows_logits, requests, **step)
         key, sub_args, index, n, m = plan
-        with self._lock:
-            sub = self._sub(key, sub_args, {"logits": rows_logits, **step})
+
+        def fill(sub: _Sub) -> None:
             self._fill(sub, rows_logits, index, m, step)
+
+        return self._run(key, sub_args, n, rows_logits, step, fill)
+
+    def verify_resolution(
+        self,
+        gathered: torch.Tensor,
+        rows: ResolutionRows,
+        requests: np.ndarray,
+        sampled: torch.Tensor,
+        **step: Any,
+    ) -> ChainOutput:
+        """:meth:`verify_requests` on the rows :func:`~shardmax.ops.resolve.resolution_logits`
+        would build -- the gathered ones and synthetic rows -- without building them apart: when
+        the step fits a capacity, one ``resolve_fill`` launch writes the gathered rows, the
+        synthetic rows and the sub-batch's indices straight into the capacity's static buffers
+        (one host->device copy of its table before it), then the captured chain replays;
+        otherwise :func:`~shardmax.ops.resolve.resolution_logits` and :meth:`verify_requests`.
+
+        Args:
+            gathered: ``[m', V]`` the gathered rows (``rows.rows[rows.gather]``; model dtype,
+                ``stride(-1) == 1``).
+            rows: the resolution's rows (:func:`~shardmax.ops.resolve.resolution_rows`).
+            requests: int ``[n]`` the resolved requests.
+            sampled: the step's ``VerifyResult.sampled`` (``[num_reqs, K + 1]`` int64): the
+                tokens of the synthetic draw rows.
+            step: :meth:`NativeChain.verify_requests`' step arguments.
+
+        Returns:
+            As :meth:`verify_requests`.
+
+        Raises:
+            TypeError / NotImplementedError / ValueError: as :meth:`verify_requests` and
+                :func:`~shardmax.ops.resolve.resolution_logits`.
+        """
+        unknown = sorted(set(step) - _STEP_ARGS)
+        if unknown:
+            raise TypeError(f"verify_resolution: unexpected arguments {unknown}")
+        if not isinstance(gathered, torch.Tensor) or not isinstance(sampled, torch.Tensor):
+            raise TypeError("gathered, sampled: expected torch.Tensors")
+        cu_np = step["cu_num_logits_np"]
+
+        def built() -> torch.Tensor:  # the rows apart (and every check of them)
+            return resolution_logits(
+                gathered, rows.gather, requests, cu_np, step["idx_mapping_np"],
+                step["draft_sampled"], step["temperature_gpu"], rows.draw, sampled,
+            )  # fmt: skip
+
+        device = gathered.device
+        if (
+            not (self.padded or device.type == "cuda")
+            or gathered.dim() != 2
+            or gathered.stride(-1) != 1
+            or bool(rows.gather.all())
+            or sampled.dim() != 2
+            or not sampled.is_contiguous()
+            or f"resolve_fill_{_DTYPE_NAMES.get(gathered.dtype)}" not in _FILL_VARIANTS
+        ):
+            return self.verify_requests(built(), requests, **step)
+        if step.get("checks", True):
+            self.chain.verify_requests(gathered[:0], np.zeros(0, np.int64), **step)
+        m = int(rows.rows.size)
+        like = _Rows((m, int(gathered.shape[1])), gathered.dtype, gathered.device)
+        plan = self._plan(like, requests, step)
+        if plan is None:
+            return self.verify_requests(built(), requests, **step)
+        table = _fill_table(plan, rows, requests, cu_np, step, sampled, gathered)
+        key, sub_args, _, n, _ = plan
+
+        def fill(sub: _Sub) -> None:
+            self._fill_kernel(sub, gathered, table, m, step, sampled)
+
+        return self._run(key, sub_args, n, gathered, step, fill)
+
+    def _run(
+        self,
+        key: _Key,
+        sub_args: tuple[int, int],
+        n: int,
+        like: torch.Tensor,
+        step: dict[str, Any],
+        fill: Any,
+    ) -> ChainOutput:
+        """Fill the capacity's buffers (``fill(sub)``), then replay its graph (capturing it on
+        the ``capture_after``-th step on CUDA) or run the padded chain eagerly."""
+        device = like.device
+        with self._lock:
+            sub = self._sub(key, sub_args, {"logits": like, **step})
+            fill(sub)
             sub.steps += 1
             if (
                 sub.graph is None
@@ -247,9 +418,10 @@ class CapturedResolution:
     # ---- planning (host only) ----------------------------------------------------------------
 
     def _plan(
-        self, rows_logits: torch.Tensor, requests: np.ndarray, step: dict[str, Any]
+        self, rows_logits: torch.Tensor | _Rows, requests: np.ndarray, step: dict[str, Any]
     ) -> tuple[_Key, tuple[int, int], np.ndarray, int, int] | None:
-        """(key, (rows, reqs) capacity, the packed host index array, n, m) or None: eager."""
+        """(key, (rows, reqs) capacity, the packed host index array, n, m) or None: eager.
+        ``rows_logits``: the rows' tensor, or a :class:`_Rows` of its shape, dtype, device."""
         if step.get("synthetic_conditional_rates") is not None:
             return None  # not captured on the GPU checks: the eager chain
         chain = self.chain
@@ -369,6 +541,37 @@ class CapturedResolution:
         torch.index_select(step["idx_mapping"], 0, req_sel, out=sub.idx_mapping)
         torch.index_select(step["seq_lens"], 0, req_sel, out=sub.seq_lens)
         sub.cu.copy_(cu)
+
+    def _fill_kernel(
+        self,
+        sub: _Sub,
+        gathered: torch.Tensor,
+        table: np.ndarray,
+        m: int,
+        step: dict[str, Any],
+        sampled: torch.Tensor,
+    ) -> None:
+        """:meth:`_fill` for :meth:`verify_resolution`: the table (:func:`_fill_table`) to the
+        device, then one ``resolve_fill`` launch builds the gathered and synthetic rows in
+        ``sub.logits`` (an earlier step's rows past ``m`` back to padding) and gathers the
+        sub-batch's indices."""
+        rows, reqs = sub.rows, sub.reqs
+        words = table[: rows * FILL_WORDS].reshape(rows, FILL_WORDS)  # a view of the table
+        words[m : sub.dirty, 0] = -2
+        sub.dirty = m
+        idx = stage(table, gathered.device)
+        vocab = int(sub.logits.shape[1])
+        src = gathered if gathered.shape[0] else sub.logits
+        block = 1024
+        kernels.kernel(f"resolve_fill_{_DTYPE_NAMES[gathered.dtype]}")(
+            (rows, -(-vocab // block)), sub.logits, src, idx, step["draft_sampled"],
+            sampled, step["temperature_gpu"], step["pos"], step["expanded_idx_mapping"],
+            step["expanded_local_pos"], step["idx_mapping"], step["seq_lens"],
+            sub.row_index["draft_sampled"], sub.row_index["pos"],
+            sub.row_index["expanded_idx_mapping"], sub.row_index["expanded_local_pos"],
+            sub.idx_mapping, sub.seq_lens, sub.cu, vocab, sub.logits.stride(0), src.stride(0),
+            reqs, GAP=SYNTHETIC_GAP, T_MAX=SYNTHETIC_MAX_TEMPERATURE, PAD=PAD_PEAK, BLOCK=block,
+        )  # fmt: skip
 
     def _body(self, sub: _Sub, key: _Key, step: dict[str, Any]) -> ChainOutput:
         """The chain on ``sub``'s buffers: ``_verify``'s one chunk as vLLM runs it."""
