@@ -416,8 +416,8 @@ def nucleus_routing(runner: Any = None, input_batch: Any = None) -> bool:
     the flagged requests resolved at a fixed capacity from CUDA graphs -- the other ranks' bytes
     replayed, against an HBM copy standing in for the full-logits all-gather, a lower bound,
     plus vLLM 0.33's chain; 8 realistic T = 1 / top-p 0.95 steps per case): vLLM's latency over
-    the histogram path's was 1.19-1.88x at 32 rows and 0.75-1.37x at 160 rows (the same call
-    with every launch eager: 0.42-0.89x), with 1.3-4.6 % of the all-gather's bytes crossing
+    the histogram path's was 1.32-1.64x at 32 rows and 1.01-1.66x at 160 rows (the same call
+    with every launch eager: 0.50-0.88x), with 1.3-4.6 % of the all-gather's bytes crossing
     ranks.
     The candidate path (top-k / min-p) stays opt-in: 0.62-0.84x with the same graphs
     (``topp_step/candidates``; it flags 10-19 % of the requests).
