@@ -539,6 +539,22 @@ def test_verify_resolution_equals_the_rows_built_apart(chain: NativeChain, dtype
         fused.verify_resolution(gathered, plan, req, sampled, **kw, temprature_gpu=None)
 
 
+def _every_rule(seed: int, dtype: torch.dtype) -> tuple[TrafficBatch, dict]:
+    """8 realistic requests, K = 3, V = 512: greedy, T 0.01 / 0.7 / 1 / 1 / 2 / 50 /
+    SYNTHETIC_MAX_TEMPERATURE, top-k 1 and 2 on two of them, min-p 0.1 on one, top-p on the
+    realistic mix's; with vLLM's step arguments."""
+    vocab = 512
+    b = realistic_batch(8, 3, vocab, seed=seed, mix="top_p", dtype=dtype)
+    slots = b.idx_mapping.long()
+    temp = b.temperature.clone()
+    temp[slots] = torch.tensor([0.0, 0.01, 0.7, 1.0, 1.0, 2.0, 50.0, SYNTHETIC_MAX_TEMPERATURE])
+    top_k = torch.full((temp.numel(),), vocab, dtype=torch.int32)
+    top_k[slots[2:4]] = torch.tensor([1, 2], dtype=torch.int32)
+    min_p = torch.zeros_like(temp)
+    min_p[slots[5]] = 0.1
+    return b, verify_inputs(b, temperature=temp, top_k=top_k, min_p=min_p)
+
+
 @pytest.mark.e2e
 @by_version
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -547,17 +563,9 @@ def test_vllm_accepts_every_synthetic_row(chain: NativeChain, dtype) -> None:
     each draft SYNTHETIC_GAP max(1, T) above every other id -- vLLM's chain accepts every
     draft, for every uniform draw (8 requests x 3 drafts x 3 seeds), greedy and T from 0.01 to
     SYNTHETIC_MAX_TEMPERATURE, with top-k 1 / 2, top-p and min-p on, on the fp32 copy."""
-    vocab, num_reqs = 512, 8
+    num_reqs = 8
     for seed in range(3):
-        b = realistic_batch(num_reqs, 3, vocab, seed=seed, mix="top_p", dtype=dtype)
-        slots = b.idx_mapping.long()
-        temp = b.temperature.clone()
-        temp[slots] = torch.tensor([0.0, 0.01, 0.7, 1.0, 1.0, 2.0, 50.0, SYNTHETIC_MAX_TEMPERATURE])
-        top_k = torch.full((temp.numel(),), vocab, dtype=torch.int32)
-        top_k[slots[2:4]] = torch.tensor([1, 2], dtype=torch.int32)
-        min_p = torch.zeros_like(temp)
-        min_p[slots[5]] = 0.1
-        kw = verify_inputs(b, temperature=temp, top_k=top_k, min_p=min_p)
+        b, kw = _every_rule(seed, dtype)
         req = np.arange(num_reqs)
         m = int(kw["cu_num_logits_np"][-1])
         synthetic = resolution_logits(
@@ -582,15 +590,7 @@ def test_vllm_draws_the_token_of_every_synthetic_draw_row(chain: NativeChain, dt
     top-k 1 / 2, top-p and min-p on."""
     vocab, num_reqs, k = 512, 8, 3
     for seed in range(3):
-        b = realistic_batch(num_reqs, k, vocab, seed=seed, mix="top_p", dtype=dtype)
-        slots = b.idx_mapping.long()
-        temp = b.temperature.clone()
-        temp[slots] = torch.tensor([0.0, 0.01, 0.7, 1.0, 1.0, 2.0, 50.0, SYNTHETIC_MAX_TEMPERATURE])
-        top_k = torch.full((temp.numel(),), vocab, dtype=torch.int32)
-        top_k[slots[2:4]] = torch.tensor([1, 2], dtype=torch.int32)
-        min_p = torch.zeros_like(temp)
-        min_p[slots[5]] = 0.1
-        kw = verify_inputs(b, temperature=temp, top_k=top_k, min_p=min_p)
+        b, kw = _every_rule(seed, dtype)
         cu = kw["cu_num_logits_np"]
         gen = torch.Generator().manual_seed(100 + seed)
         j = torch.randint(0, k + 1, (num_reqs,), generator=gen)  # each request's draw row
