@@ -25,6 +25,8 @@ for bit; the captured resolution (graph replays) == the eager one == the whole s
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -588,6 +590,14 @@ def test_vllm_draws_the_token_of_every_synthetic_draw_row(chain: NativeChain, dt
     rejects (or, at the bonus row, samples) and draws ``t_r``, whatever its keyed noise (fp32 and
     fp64 Gumbel): 8 requests x 3 seeds, greedy and T from 0.01 to SYNTHETIC_MAX_TEMPERATURE,
     top-k 1 / 2, top-p and min-p on."""
+    import inspect
+
+    # the argument's two bounds, pinned to the carried vLLM's source: its acceptance uniform is
+    # clamped away from 0 (tl_rand32(..., includes_zero=False): u >= _TL_RAND_MIN, log u > -22)
+    # and its Gumbel uniforms are open intervals (murmur3_uniform32 / 64)
+    gumbel, rejection = chain.modules.gumbel, chain.modules.rejection
+    assert "includes_zero=False" in inspect.getsource(rejection._rejection_kernel.fn)
+    assert math.log(float(getattr(gumbel._TL_RAND_MIN, "value", gumbel._TL_RAND_MIN))) > -22.0
     vocab, num_reqs, k = 512, 8, 3
     for seed in range(3):
         b, kw = _every_rule(seed, dtype)
@@ -629,6 +639,74 @@ def test_unsure_draft_tie_resolved_equals_vllm(chain: NativeChain) -> None:
         req, _ = flagged_requests(res)
         resolve_requests(res, req, full_rows(b.logits), chain, kw)
         _assert_same(res, whole, f"vLLM {chain.version} seed {seed}")
+
+
+def _margin_then_draw(seed: int) -> TrafficBatch:
+    """5 fp32 requests, K = 3, V = 512 (after an adversarial review's construction): request
+    ``r``'s rows before ``f_r`` certified accepts (draft 40 above the rest), row ``f_r`` an
+    acceptance within ``1e-5`` of its uniform (``LSE_MARGIN``: vLLM may go either way), rows up
+    to ``a_r`` certified accepts again, row ``a_r`` a certified rejection (draft 40 below the
+    maximum) or the bonus row -- the step's draw row past the flagged one (``need == 2``),
+    which vLLM reaches whenever it accepts row ``f_r``."""
+    from shardmax.runtime.gumbel import acceptance_uniform_triton
+
+    num_reqs, k, vocab = 5, 3, 512
+    b = realistic_batch(num_reqs, k, vocab, seed=seed, mix="temperature", dtype=torch.float32)
+    gen = np.random.default_rng(seed)
+    temps = torch.tensor([0.7, 1.0, 1.7, 40.0, 1.0])
+    b.temperature[b.idx_mapping.long()] = temps
+    seeds = b.seed[b.idx_mapping.long()].repeat_interleave(k + 1)
+    u, _ = acceptance_uniform_triton(seeds, b.pos)
+    logits = torch.empty(num_reqs * (k + 1), vocab)
+    for r in range(num_reqs):
+        f = int(gen.integers(0, k))
+        a = int(gen.integers(f + 1, k + 1))
+        for i in range(k + 1):
+            row = r * (k + 1) + i
+            d = int(b.draft_sampled[row + 1]) if i < k else -1
+            z = torch.from_numpy(gen.normal(0, 2, vocab)).float()  # the processed row
+            if i < a and i != f:
+                z[d] = z.max() + 40.0
+            elif i == f:  # x[d] - logsumexp(row) = log u, to 1e-5 (relative)
+                rest = z.double().clone()
+                rest[d] = -1e30
+                uu = float(u[row])
+                xd = math.log(uu) + torch.logsumexp(rest, 0).item() - math.log1p(-uu)
+                z[d] = xd + float(gen.uniform(-1e-5, 1e-5)) * (1 + abs(xd))
+            elif i == a and d >= 0:
+                z[d] = z.max() - 40.0
+            logits[row] = z * float(temps[r])
+    b.logits = logits
+    return b
+
+
+@pytest.mark.e2e
+@by_version
+def test_certified_draw_rows_reached_resolved_equals_vllm(chain: NativeChain) -> None:
+    """Synthetic draw rows that vLLM reaches (:func:`_margin_then_draw`, 4 seeds, fp32 and fp64
+    Gumbel): the finish marks each request's draw row 2, vLLM reaches some of them on the real
+    rows, and the resolved step == vLLM's chain on the full logits."""
+    from shardmax.testing.emulate_sampled import emulate_verify
+
+    drawn = reached = 0
+    for seed in range(4):
+        b = _margin_then_draw(seed)
+        for fp64 in (False, True):
+            kw = {**verify_inputs(b), "use_fp64_gumbel": fp64}
+            cu = kw["cu_num_logits_np"]
+            whole = chain.verify(b.logits, **kw)
+            res = emulate_verify(
+                b.logits, 2, *b.sampled_args(), use_fp64_gumbel=fp64, **b.sampling_kwargs()
+            )
+            req, _ = flagged_requests(res)
+            rows, _, draw = resolution_rows(res, cu, req)
+            for row in rows[draw]:
+                r = int(np.searchsorted(cu, row, side="right") - 1)
+                drawn += 1
+                reached += int(whole.num_sampled[r]) == row - cu[r] + 1
+            resolve_requests(res, req, full_rows(b.logits), chain, kw)
+            _assert_same(res, whole, f"vLLM {chain.version} seed {seed} fp64 {fp64}")
+    assert drawn >= 8 and reached >= 2, (drawn, reached)
 
 
 @pytest.mark.e2e

@@ -40,11 +40,12 @@ exp(-59.7) < 2**-25``) and ``log p(t) = 0``, ``log p(v) <= -59.7`` elsewhere.
   the synthetic row for the same ``u`` (keyed by ``(seed, pos)``, unchanged); greedy rows accept
   iff the argmax is ``d``.
 * Certified draw (``t`` = the token the step drew at that row; ``VerifyResult.need == 2``):
-  ``log p(d) <= -59.7`` is below every ``log u`` vLLM draws (``u >= 4.66e-10``, Triton's
-  ``tl.rand`` floor: ``log u >= -21.5``), so vLLM rejects (greedy: the argmax is ``t != d``), and
-  draws from the row with its keyed Gumbel noise, which lies in ``[-3.6, 37.4]`` (its fp32 and
-  fp64 uniforms are bounded away from 0 and 1): ``t`` scores at least -3.6, every other id at most
-  ``-59.7 + 37.4``, so it draws ``t`` -- the token it draws on the real row, whenever it reaches
+  ``log p(d) <= -59.7`` is below every ``log u`` vLLM draws (its acceptance uniform is clamped:
+  ``tl_rand32(seed, pos, includes_zero=False)``, ``u >= 4.66e-10``, ``log u >= -21.5``, in 0.32
+  and 0.33), so vLLM rejects (greedy: the argmax is ``t != d``), and draws from the row with its
+  keyed Gumbel noise, which lies in ``[-2.9, 22.9]`` (fp32) or ``[-3.7, 36.8]`` (fp64: its
+  uniforms are open intervals of 32 and 53 bits): ``t`` scores at least -3.7, every other id at
+  most ``-59.7 + 36.8``, so it draws ``t`` -- the token it draws on the real row, whenever it reaches
   that row (it does only after accepting every row before, as this step did).
 
 Rows after a certified stop are never reached; they are synthetic too.
