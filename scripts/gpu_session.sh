@@ -111,6 +111,15 @@ topp_step_hist() {
   echo "  rc=$?"; grep -E "^V=|Error|captured" "$OUT/topp_step_$1.log" | tail -40
 }
 
+# resolve_gpu_tests STAGE DEADLINE: the per-request resolution's GPU tests (vs vLLM's chains,
+# eager and captured, every call twice)
+resolve_gpu_tests() {
+  stamp "resolution GPU tests"
+  SHARDMAX_RESOLVE_GPU_SEEDS=${RESOLVE_SEEDS:-4} timeout "$(left "$2")" python3 -m pytest -m gpu \
+    -q -p no:cacheprovider -s tests/test_resolve.py >"$OUT/resolve_$1.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED|\[captured|\[resolve" "$OUT/resolve_$1.log" | tail -24
+}
+
 # sanitized_fuzz STAGE DEADLINE: the fuzz corpus under compute-sanitizer memcheck, value checks off
 sanitized_fuzz() {
   stamp "fuzz corpus under compute-sanitizer memcheck (value checks off)"
@@ -426,10 +435,7 @@ X)
   timeout "$(left 200)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_graphs.py \
     tests/test_gpu.py -k "graph or replay" >"$OUT/graphs_X.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED" "$OUT/graphs_X.log" | tail -12
-  stamp "resolution GPU tests"
-  SHARDMAX_RESOLVE_GPU_SEEDS=${RESOLVE_SEEDS:-4} timeout "$(left 400)" python3 -m pytest -m gpu \
-    -q -p no:cacheprovider -s tests/test_resolve.py >"$OUT/resolve_X.log" 2>&1
-  echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED|\[captured|\[resolve" "$OUT/resolve_X.log" | tail -24
+  resolve_gpu_tests X 400
   stamp "histogram top-p vs vLLM's chains (every call twice)"
   SHARDMAX_TOPP_GPU_SEEDS=${TOPP_SEEDS:-4} timeout "$(left 570)" python3 -m pytest -m gpu -q -s \
     -p no:cacheprovider -rf --tb=short tests/test_topp_verify.py >"$OUT/topp_verify_X.log" 2>&1
@@ -450,10 +456,7 @@ Y)
   ;;
 Z)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
-  stamp "resolution GPU tests"
-  SHARDMAX_RESOLVE_GPU_SEEDS=${RESOLVE_SEEDS:-4} timeout "$(left 200)" python3 -m pytest -m gpu \
-    -q -p no:cacheprovider -s tests/test_resolve.py >"$OUT/resolve_Z.log" 2>&1
-  echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED|\[captured" "$OUT/resolve_Z.log" | tail -12
+  resolve_gpu_tests Z 200
   stamp "top-p step: plug-in call vs vLLM (emulated TP)"
   topp_step_hist Z 570
   tar -czf "$OUT/Z.tar.gz" -C "$OUT" topp_step 2>/dev/null
