@@ -499,7 +499,8 @@ def test_verify_resolution_equals_the_rows_built_apart(chain: NativeChain, dtype
     synthetic accept, synthetic draw and padding rows and the sub-batch's indices in the
     capacity's buffers) leaves every buffer and output bit-identical to ``resolution_logits`` +
     ``verify_requests``, over steps of 3, 1 and 2 requests (stale rows back to padding), T 0 to
-    2 * SYNTHETIC_MAX_TEMPERATURE (the kernel's clamp), greedy, top-p."""
+    2 * SYNTHETIC_MAX_TEMPERATURE (the kernel's clamp), greedy, top-p; a last step with every
+    row gathered takes the rows as they are (no fill kernel), same answer."""
     from shardmax.integrations.vllm.resolution import FILL_WORDS
     from shardmax.runtime.kernels import load
 
@@ -516,9 +517,11 @@ def test_verify_resolution_equals_the_rows_built_apart(chain: NativeChain, dtype
     sampled = torch.randint(0, vocab, (num_reqs, k + 1), generator=gen)
     apart = CapturedResolution(chain, capacities=(1, 4), padded=True)
     fused = CapturedResolution(chain, capacities=(1, 4), padded=True)
-    for req in (np.array([1, 2, 4]), np.array([6]), np.array([0, 7])):
+    for req in (np.array([1, 2, 4]), np.array([6]), np.array([0, 7]), np.array([3, 5])):
         rows = request_rows(cu, req)
         gather = torch.rand(rows.size, generator=gen).numpy() < 0.4
+        if req[0] == 3:  # every row gathered
+            gather[:] = True
         draw = ~gather & (torch.rand(rows.size, generator=gen).numpy() < 0.3)
         plan = ResolutionRows(rows, gather, draw)
         gathered = b.logits[torch.from_numpy(rows[gather])]
@@ -533,6 +536,10 @@ def test_verify_resolution_equals_the_rows_built_apart(chain: NativeChain, dtype
         for a, w in zip(_sub_state(fused), _sub_state(apart), strict=True):
             assert torch.equal(a, w), req
     assert fused.stats == apart.stats
+    req = np.array([2])
+    rows = request_rows(cu, req)
+    plan = ResolutionRows(rows, np.array([True, False, False, False]), np.array([0, 0, 1, 0]) > 0)
+    gathered = b.logits[torch.from_numpy(rows[:1])]
     with pytest.raises(ValueError, match="gathered"):
         fused.verify_resolution(gathered[:0], plan, req, sampled, **kw)
     with pytest.raises(ValueError, match="sampled"):
