@@ -11,9 +11,12 @@ Python on the H200's host for one flagged request, on 40-60 % of realistic top-p
 ``R (K + 1)`` logits rows in static buffers, the flagged requests in the first slots, the rest
 padding. The chain on those buffers is captured once per capacity and per set of the chunk's
 host decisions (vLLM's gates and top-p pipeline) and replayed afterwards; per step the host
-writes one index array (rows and requests to take, the sub-batch's ``cu_num_logits``), copies it
-to the device, gathers the indices and the rows into the buffers (a few small copies) and
-replays.
+writes one index table (rows and requests to take, the sub-batch's ``cu_num_logits``), copies it
+to the device, fills the buffers and replays. :meth:`CapturedResolution.verify_resolution` (what
+:func:`~shardmax.ops.resolve.resolve_requests` calls) fills them with one ``resolve_fill``
+launch: the gathered rows, the synthetic rows of the certified ones (built there, never as a
+tensor of their own) and the sub-batch's indices; :meth:`CapturedResolution.verify_requests`
+takes rows already built and fills with a few small copies.
 
 Why a padded sub-batch gives each real request exactly vLLM's answer inside its whole step:
 
