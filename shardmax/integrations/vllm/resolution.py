@@ -41,7 +41,7 @@ Everything the graph reads by address and does not own -- vLLM's per-slot state 
 seeds, top-k / top-p / min-p, ``prefill_len``), and vLLM's module-level workspaces the kernels
 use (kept alive here) -- is part of the key, so a moved buffer is captured anew rather than read
 stale. Steps that do not fit (several chunks, more flagged requests than the largest capacity,
-a synthetic or fp64 step the chain's capture has not been checked on) and every step off CUDA
+a synthetic-method step, whose capture has not been checked on the GPU) and every step off CUDA
 run :meth:`NativeChain.verify_requests` eagerly; on the CPU the padded sub-batch itself runs
 eagerly (``padded=True``), so its exactness is tested by the interpreter suite.
 """
@@ -80,7 +80,7 @@ __all__ = ["CAPACITIES", "CapturedResolution"]
 
 CAPACITIES = (1, 2, 4, 8, 16, 32)
 """Request capacities of the captured sub-batches (flagged requests per step; more run eagerly).
-Realistic top-p steps flag 1-4 % of their requests (README): one or two at 32-160 rows."""
+Realistic top-p steps flag 2-5 % of their requests (README): one or two at 32-160 rows."""
 MAX_GRAPHS = 32
 """Captured (capacity, decisions) pairs kept per resolver (least recently used out)."""
 _WORKSPACES = ("_TRITON_BUFFER_CACHE", "_TRITON_TABLE_CACHE", "_TRITON_SPLIT_CACHE")
@@ -367,6 +367,7 @@ class CapturedResolution:
             or bool(rows.gather.all())
             or sampled.dim() != 2
             or not sampled.is_contiguous()
+            or int(step["num_speculative_steps"]) < 1  # resolve_fill writes cu from rows > reqs
             or f"resolve_fill_{_DTYPE_NAMES.get(gathered.dtype)}" not in _FILL_VARIANTS
         ):
             return self.verify_requests(built(), requests, **step)
