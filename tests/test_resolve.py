@@ -636,10 +636,14 @@ def test_vllm_draws_the_token_of_every_synthetic_draw_row(chain: NativeChain, dt
 
 @pytest.mark.e2e
 @by_version
-def test_unsure_draft_tie_resolved_equals_vllm(chain: NativeChain) -> None:
-    """The adversarial review's case, 12 seeds (vLLM keeps either tie): resolved == vLLM."""
+@pytest.mark.parametrize("case", ["draft_tie", "bonus_tie"])
+def test_unsure_tie_resolved_equals_vllm(chain: NativeChain, case: str) -> None:
+    """12 seeds, vLLM keeping either tie: the adversarial review's draft tie (:func:`_draft_tie`)
+    and an uncertified draw at the bonus row of a request the finish flagged
+    (:func:`_bonus_tie`): resolved == vLLM."""
+    build = _draft_tie if case == "draft_tie" else _bonus_tie
     for seed in range(12):
-        b = _draft_tie(seed)
+        b = build(seed)
         kw = verify_inputs(b)
         whole = chain.verify(b.logits, **kw)
         res = _tie_step(b, chain.version)
@@ -714,21 +718,6 @@ def test_certified_draw_rows_reached_resolved_equals_vllm(chain: NativeChain) ->
             resolve_requests(res, req, full_rows(b.logits), chain, kw)
             _assert_same(res, whole, f"vLLM {chain.version} seed {seed} fp64 {fp64}")
     assert drawn >= 8 and reached >= 2, (drawn, reached)
-
-
-@pytest.mark.e2e
-@by_version
-def test_uncertified_draw_resolved_equals_vllm(chain: NativeChain) -> None:
-    """:func:`_bonus_tie` over 12 seeds (vLLM keeps either tie at the bonus row): resolved ==
-    vLLM."""
-    for seed in range(12):
-        b = _bonus_tie(seed)
-        kw = verify_inputs(b)
-        whole = chain.verify(b.logits, **kw)
-        res = _tie_step(b, chain.version)
-        req, _ = flagged_requests(res)
-        resolve_requests(res, req, full_rows(b.logits), chain, kw)
-        _assert_same(res, whole, f"vLLM {chain.version} seed {seed}")
 
 
 def _only_first(kw, rows: int):
