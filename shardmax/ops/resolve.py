@@ -66,6 +66,7 @@ __all__ = [
     "SYNTHETIC_GAP",
     "SYNTHETIC_MAX_TEMPERATURE",
     "ResolutionRows",
+    "SyntheticSources",
     "apply_resolved",
     "check_requests",
     "flagged_requests",
@@ -75,6 +76,7 @@ __all__ = [
     "resolution_rows",
     "resolve_requests",
     "stage",
+    "synthetic_sources",
 ]
 
 SYNTHETIC_GAP = 60.0
@@ -197,49 +199,29 @@ def resolution_logits(
             rows gathered, a row both gathered and drawn, ``gathered`` not ``[m', V]``, or draw
             rows without a ``[num_reqs, K + 1]`` ``sampled`` that holds their columns.
     """
-    rows = request_rows(cu_num_logits_np, requests)
-    m = int(rows.size)
-    keep = np.asarray(gather)
-    if keep.shape != (m,) or keep.dtype != np.bool_:
-        raise ValueError(f"gather: expected bool [{m}], got {keep.dtype} {list(keep.shape)}")
-    drawn = np.zeros(m, dtype=bool) if draw is None else np.asarray(draw)
-    if drawn.shape != (m,) or drawn.dtype != np.bool_ or bool((drawn & keep).any()):
-        raise ValueError(
-            f"draw: expected bool [{m}] set only on rows not gathered, got {drawn.dtype} "
-            f"{list(drawn.shape)}"
-        )
-    if gathered.dim() != 2 or gathered.shape[0] != int(keep.sum()):
-        raise ValueError(
-            f"gathered: expected [{int(keep.sum())}, V] (the rows to gather), got "
-            f"{list(gathered.shape)}"
-        )
+    if gathered.dim() != 2:
+        raise ValueError(f"gathered: expected [m', V], got {list(gathered.shape)}")
+    src = synthetic_sources(
+        ResolutionRows(
+            request_rows(cu_num_logits_np, requests), gather,
+            np.zeros(np.shape(gather), dtype=bool) if draw is None else draw,
+        ),
+        requests, cu_num_logits_np, idx_mapping_np, draft_sampled.shape[0], gathered.shape[0],
+        None if sampled is None else tuple(sampled.shape),
+    )  # fmt: skip
+    m = int(src.slot.size)
+    keep, drawn = src.gathered_at >= 0, src.sampled_at >= 0
     if bool(keep.all()):
         return gathered
     vocab, dev = gathered.shape[1], gathered.device
-    cu = np.asarray(cu_num_logits_np, dtype=np.int64)
-    req = check_requests(requests, len(cu) - 1)
-    counts = np.diff(cu)[req]
-    slots = np.repeat(np.asarray(idx_mapping_np, dtype=np.int64)[req], counts)
-    nxt = np.minimum(rows + 1, draft_sampled.shape[0] - 1)
-    parts = [nxt, slots, np.flatnonzero(keep)]
-    picks: torch.Tensor | None = None  # the draw rows' tokens, flattened
+    parts = [src.draft_at, src.slot, np.flatnonzero(keep)]
     if drawn.any():
-        if sampled is None or sampled.dim() != 2 or sampled.shape[0] != len(cu) - 1:
-            raise ValueError(
-                f"sampled: expected [{len(cu) - 1}, K + 1] (the step's tokens) for the draw rows, "
-                f"got {None if sampled is None else list(sampled.shape)}"
-            )
-        col = rows - np.repeat(cu[req], counts)  # each row's column in its request's tokens
-        if int(col[drawn].max()) >= sampled.shape[1]:
-            raise ValueError(f"sampled: {list(sampled.shape)} lacks a draw row's column")
-        flat = np.repeat(req, counts) * sampled.shape[1] + col
-        parts += [np.flatnonzero(drawn), flat[drawn]]
-        picks = sampled.reshape(-1)
+        parts += [np.flatnonzero(drawn), src.sampled_at[drawn]]
     idx = stage(np.concatenate(parts), dev)
     token = draft_sampled.index_select(0, idx[:m]).long()
-    if picks is not None:
+    if sampled is not None and drawn.any():
         nd, at = int(drawn.sum()), 2 * m + int(keep.sum())
-        picked = picks.index_select(0, idx[at + nd :])
+        picked = sampled.reshape(-1).index_select(0, idx[at + nd :])
         token.index_copy_(0, idx[at : at + nd], picked.long())
     token.clamp_(0, vocab - 1)
     low = temperature.index_select(0, idx[m : 2 * m]).clamp_(1.0, SYNTHETIC_MAX_TEMPERATURE)
@@ -251,6 +233,81 @@ def resolution_logits(
     if gathered.shape[0]:
         out.index_copy_(0, idx[2 * m : 2 * m + int(keep.sum())], gathered)
     return out
+
+
+class SyntheticSources(NamedTuple):
+    """Where each row of a resolution comes from (:func:`synthetic_sources`; host, ``[m]``)."""
+
+    gathered_at: np.ndarray
+    """int64: the row's index among the gathered rows, -1 for a synthetic row."""
+    draft_at: np.ndarray
+    """int64: the index of the row's draft in ``draft_sampled`` (``row + 1``, clamped)."""
+    sampled_at: np.ndarray
+    """int64: a draw row's token's index in the flattened ``VerifyResult.sampled``, else -1."""
+    slot: np.ndarray
+    """int64: the row's request-state slot (its temperature's index)."""
+
+
+def synthetic_sources(
+    plan: ResolutionRows,
+    requests: np.ndarray,
+    cu_num_logits_np: np.ndarray,
+    idx_mapping_np: np.ndarray,
+    num_drafts: int,
+    num_gathered: int,
+    sampled_shape: tuple[int, ...] | None,
+) -> SyntheticSources:
+    """The sources of the rows :func:`resolution_logits` builds (and ``resolve_fill`` builds in
+    place), checked: host arithmetic only.
+
+    Args:
+        plan: the resolution's rows (:func:`resolution_rows`).
+        requests, cu_num_logits_np, idx_mapping_np: as :func:`resolution_logits`.
+        num_drafts: ``draft_sampled``'s length; num_gathered: the gathered rows' count;
+        sampled_shape: ``VerifyResult.sampled``'s shape (None: no draw row allowed).
+
+    Raises:
+        ValueError: ``gather`` / ``draw`` not ``[m]`` booleans or overlapping, ``num_gathered``
+            not the rows gathered, draw rows without a ``[num_reqs, K + 1]`` ``sampled`` that
+            holds their columns; as :func:`request_rows`.
+    """
+    rows = np.asarray(plan.rows, dtype=np.int64)
+    m = int(rows.size)
+    keep = np.asarray(plan.gather)
+    if keep.shape != (m,) or keep.dtype != np.bool_:
+        raise ValueError(f"gather: expected bool [{m}], got {keep.dtype} {list(keep.shape)}")
+    drawn = np.asarray(plan.draw)
+    if drawn.shape != (m,) or drawn.dtype != np.bool_ or bool((drawn & keep).any()):
+        raise ValueError(
+            f"draw: expected bool [{m}] set only on rows not gathered, got {drawn.dtype} "
+            f"{list(drawn.shape)}"
+        )
+    if num_gathered != int(keep.sum()):
+        raise ValueError(
+            f"gathered: expected [{int(keep.sum())}, V] (the rows to gather), got "
+            f"{num_gathered} rows"
+        )
+    cu = np.asarray(cu_num_logits_np, dtype=np.int64)
+    req = check_requests(requests, len(cu) - 1)
+    counts = np.diff(cu)[req]
+    sampled_at = np.full(m, -1, dtype=np.int64)
+    if drawn.any():
+        if sampled_shape is None or len(sampled_shape) != 2 or sampled_shape[0] != len(cu) - 1:
+            raise ValueError(
+                f"sampled: expected [{len(cu) - 1}, K + 1] (the step's tokens) for the draw rows, "
+                f"got {None if sampled_shape is None else list(sampled_shape)}"
+            )
+        col = rows - np.repeat(cu[req], counts)  # each row's column in its request's tokens
+        if int(col[drawn].max()) >= sampled_shape[1]:
+            raise ValueError(f"sampled: {list(sampled_shape)} lacks a draw row's column")
+        flat = np.repeat(req, counts) * sampled_shape[1] + col
+        sampled_at[drawn] = flat[drawn]
+    return SyntheticSources(
+        np.where(keep, np.cumsum(keep) - 1, -1),
+        np.minimum(rows + 1, num_drafts - 1),
+        sampled_at,
+        np.repeat(np.asarray(idx_mapping_np, dtype=np.int64)[req], counts),
+    )
 
 
 def check_requests(requests: np.ndarray, num_reqs: int) -> np.ndarray:

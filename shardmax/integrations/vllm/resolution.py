@@ -73,6 +73,7 @@ from shardmax.ops.resolve import (
     check_requests,
     resolution_logits,
     stage,
+    synthetic_sources,
 )
 from shardmax.runtime import kernels
 
@@ -128,66 +129,33 @@ class _Rows(NamedTuple):
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 FILL_WORDS = 5
 """int64 words per row of ``resolve_fill``'s row table (its ``WORDS``)."""
-_FILL_VARIANTS = frozenset(f"resolve_fill_{d}" for d in _DTYPE_NAMES.values())
 
 
 def _fill_table(
     plan: tuple[Any, tuple[int, int], np.ndarray, int, int],
     rows: ResolutionRows,
     requests: np.ndarray,
-    cu_np: np.ndarray,
     step: dict[str, Any],
     sampled: torch.Tensor,
     gathered: torch.Tensor,
 ) -> np.ndarray:
-    """The int64 table of ``resolve_fill`` for a planned step, rows ``m`` and later left to
-    the kernel's caller (sources ``-3``: :meth:`CapturedResolution._fill_kernel` marks the
-    stale ones). Checked here as :func:`~shardmax.ops.resolve.resolution_logits` checks its
-    arguments (the kernel clamps nothing but the top id).
-
-    Raises:
-        ValueError: ``rows`` not the requests' rows, ``gathered`` not ``[rows gathered, V]``,
-            a draw row without its column in ``sampled`` (``[num_reqs, K + 1]``).
-    """
+    """The int64 table of ``resolve_fill`` for a planned step: the rows' sources
+    (:func:`~shardmax.ops.resolve.synthetic_sources`, checked there as for
+    :func:`~shardmax.ops.resolve.resolution_logits`), rows past ``m`` left as they are (source
+    ``-3``: :meth:`CapturedResolution._fill_kernel` marks the stale ones), then the plan's
+    request table (``req_sel``, ``cu``)."""
     _, (cap_rows, _), index, _, m = plan
-    cu = np.asarray(cu_np, dtype=np.int64)
-    req = check_requests(requests, len(cu) - 1)
-    counts = np.diff(cu)[req]
-    keep, drawn = np.asarray(rows.gather), np.asarray(rows.draw)
-    if (
-        rows.rows.shape != (m,)
-        or keep.shape != (m,)
-        or drawn.shape != (m,)
-        or keep.dtype != np.bool_
-        or drawn.dtype != np.bool_
-        or bool((keep & drawn).any())
-    ):
-        raise ValueError(
-            f"rows: expected the {m} rows of the requests with bool gather / draw masks that "
-            "never overlap"
-        )
-    if gathered.shape[0] != int(keep.sum()):
-        raise ValueError(
-            f"gathered: expected [{int(keep.sum())}, V] (the rows to gather), got "
-            f"{list(gathered.shape)}"
-        )
-    col = rows.rows - np.repeat(cu[req], counts)
-    k1 = int(sampled.shape[1])
-    if drawn.any() and (sampled.shape[0] != len(cu) - 1 or int(col[drawn].max()) >= k1):
-        raise ValueError(
-            f"sampled: expected [{len(cu) - 1}, K + 1] holding the draw rows' columns, got "
-            f"{list(sampled.shape)}"
-        )
-    table = np.empty((cap_rows, FILL_WORDS), dtype=np.int64)
+    src = synthetic_sources(
+        rows, requests, step["cu_num_logits_np"], step["idx_mapping_np"],
+        step["draft_sampled"].shape[0], gathered.shape[0], tuple(sampled.shape),
+    )  # fmt: skip
     row_sel = index[:cap_rows]
+    table = np.empty((cap_rows, FILL_WORDS), dtype=np.int64)
     table[:, 0] = -3
-    table[:m, 0] = np.where(keep, np.cumsum(keep) - 1, -1)
     table[:, 1] = np.minimum(row_sel + 1, step["draft_sampled"].shape[0] - 1)
     table[:, 2] = -1
-    table[:m, 2] = np.where(drawn, np.repeat(req, counts) * k1 + col, -1)
-    slots = np.asarray(step["idx_mapping_np"], dtype=np.int64)
-    table[:, 3] = slots[req[0]]
-    table[:m, 3] = np.repeat(slots[req], counts)
+    table[:, 3] = int(np.asarray(step["idx_mapping_np"])[int(np.asarray(requests)[0])])
+    table[:m, :4] = np.stack([src.gathered_at, src.draft_at, src.sampled_at, src.slot], axis=1)
     table[:, 4] = row_sel
     return np.concatenate([table.reshape(-1), index[cap_rows:]])  # then req_sel, cu
 
@@ -368,7 +336,7 @@ class CapturedResolution:
             or sampled.dim() != 2
             or not sampled.is_contiguous()
             or int(step["num_speculative_steps"]) < 1  # resolve_fill writes cu from rows > reqs
-            or f"resolve_fill_{_DTYPE_NAMES.get(gathered.dtype)}" not in _FILL_VARIANTS
+            or gathered.dtype not in _DTYPE_NAMES
         ):
             return self.verify_requests(built(), requests, **step)
         if step.get("checks", True):
@@ -378,7 +346,7 @@ class CapturedResolution:
         plan = self._plan(like, requests, step)
         if plan is None:
             return self.verify_requests(built(), requests, **step)
-        table = _fill_table(plan, rows, requests, cu_np, step, sampled, gathered)
+        table = _fill_table(plan, rows, requests, step, sampled, gathered)
         key, sub_args, _, n, _ = plan
 
         def fill(sub: _Sub) -> None:
@@ -566,8 +534,9 @@ class CapturedResolution:
         idx = stage(table, gathered.device)
         vocab = int(sub.logits.shape[1])
         src = gathered if gathered.shape[0] else sub.logits
-        block = 1024
-        kernels.kernel(f"resolve_fill_{_DTYPE_NAMES[gathered.dtype]}")(
+        name = f"resolve_fill_{_DTYPE_NAMES[gathered.dtype]}"
+        block = int(kernels.load(name).CONSTEXPRS["BLOCK"])  # the template's (a copy kernel)
+        kernels.kernel(name)(
             (rows, -(-vocab // block)), sub.logits, src, idx, step["draft_sampled"],
             sampled, step["temperature_gpu"], step["pos"], step["expanded_idx_mapping"],
             step["expanded_local_pos"], step["idx_mapping"], step["seq_lens"],
