@@ -35,7 +35,8 @@ Every path runs the same fixed number of steps on the same batch (realistic traf
 :func:`shardmax.testing.traffic.realistic_batch`: LM-like rows, drafts often right). Reported per
 (traffic mix, rows, path): host us per verification call (mean, p50, p90), GPU us of the call in
 the loop (CUDA events) and under graph replay, step time and tokens/s of the loop, and whether a
-run of the path made a host sync (``torch.cuda.set_sync_debug_mode("error")``). Targets of issue
+run of the path made a host sync (:func:`shardmax.testing.syncs.host_syncs`: torch's sync debug
+mode and the event / stream waits it does not report). Targets of issue
 19 are evaluated from these numbers only. Needs a GPU.
 
     python -m benchmarks.engine [--rows 4,32,96,256,512] [--vocab 200064] [--steps 200]
@@ -254,16 +255,11 @@ def _profile(step: Callable[[], Any], tag: str) -> None:
 
 
 def _syncs(step: Callable[[], Any]) -> str:
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-        return "none"
-    except RuntimeError as e:
-        return "sync: " + str(e).splitlines()[0][:80]
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
+    """How one call synchronised with the device (:func:`shardmax.testing.syncs.host_syncs`:
+    torch's sync debug mode and the event / stream waits it does not report)."""
+    from shardmax.testing.syncs import host_syncs
+
+    return host_syncs(step)
 
 
 def main(argv: list[str] | None = None) -> int:

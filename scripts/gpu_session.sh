@@ -57,6 +57,9 @@
 #   bash scripts/gpu_session.sh X   one H200: graph, resolution and histogram top-p GPU tests
 #   bash scripts/gpu_session.sh Y   one H200: flags and bytes of the histogram path, then stage
 #                                   U's top-p step benchmark
+#   bash scripts/gpu_session.sh HP  one H200: the host's elementary costs (the flag read, a graph
+#                                   replay, a launch; PROFILE=1: host profiles of the plug-in's
+#                                   replayed call and of a resolving top-p step)
 #   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
 #                                   benchmark (after a change of the resolution's host path)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
@@ -472,6 +475,33 @@ P)
   timeout "$(left 570)" python3 -m benchmarks.topp_kernels --steps "${TOPP_STEPS:-3}" \
     --out "$OUT/topp_kernels" >"$OUT/topp_kernels_P.log" 2>&1
   echo "  rc=$?"; tail -n 30 "$OUT/topp_kernels_P.log"
+  ;;
+HP)
+  # the host's elementary costs (benchmarks/host_costs.py: reading the flags, a graph replay, a
+  # launch) and the host read's GPU test; PROFILE=1 adds host profiles of the plug-in's replayed
+  # call and of a resolving top-p step (cProfile)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "host read GPU test"
+  timeout "$(left 60)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_host.py \
+    >"$OUT/host_HP.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|Error" "$OUT/host_HP.log" | tail -3
+  stamp "host costs"
+  timeout "$(left 200)" python3 -m benchmarks.host_costs --out "$OUT/host_costs" \
+    >"$OUT/host_costs_HP.log" 2>&1
+  echo "  rc=$?"; grep -E "^reqs=|GPU (idle|busy)|Error" "$OUT/host_costs_HP.log"
+  if [ -n "${PROFILE:-}" ]; then
+    stamp "engine loop host profile"
+    timeout "$(left 420)" python3 -m benchmarks.engine --steps 50 --rows 32,512 \
+      --mixes greedy,temperature --profile --out "$OUT/engine" >"$OUT/engine_HP.log" 2>&1
+    echo "  rc=$?"; grep -E "^(greedy|temperature) |Error" "$OUT/engine_HP.log"
+    stamp "top-p step host profile"
+    timeout "$(left 560)" python3 -m benchmarks.topp_step --vocab 200064 --tp 2 --reqs 40 \
+      --steps 6 --calls 4 --paths shardmax-hist --profile --out "$OUT/topp_step" \
+      >"$OUT/topp_step_HP.log" 2>&1
+    echo "  rc=$?"
+  fi
+  tar -czf "$OUT/HP.tar.gz" -C "$OUT" host_costs engine topp_step 2>/dev/null
+  rm -rf "$OUT/host_costs" "$OUT/engine" "$OUT/topp_step"
   ;;
 *)
   echo "unknown stage $STAGE" >&2

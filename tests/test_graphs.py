@@ -18,6 +18,7 @@ between the replays.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from shardmax.runtime import graphs
 from shardmax.runtime.dispatch import override
 from shardmax.runtime.graphs import GraphedStep, batch_signature
 from shardmax.runtime.validation import StepBatch, check_step_batch
+from shardmax.testing.syncs import host_syncs
 from shardmax.testing.traffic import TrafficBatch, realistic_batch
 
 K = 3
@@ -254,12 +256,13 @@ def test_gpu_replay_makes_no_host_sync(mix: str) -> None:
     for _ in range(graphs.CAPTURE_AFTER):
         step.run(steps[0].logits, batches[0])
     refs = [plan.run(t.logits, b) for t, b in zip(steps, batches, strict=True)]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        outs = [step.run(t.logits, b) for t, b in zip(steps, batches, strict=True)]
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    outs: list[Any] = []
+    assert (
+        host_syncs(
+            lambda: outs.extend(step.run(t.logits, b) for t, b in zip(steps, batches, strict=True))
+        )
+        == "none"
+    )
     for got, ref in zip(outs, refs, strict=True):
         assert _equal(got, ref)
 
@@ -484,13 +487,10 @@ def test_gpu_graphs_split_at_the_collectives(mix: str, tp: int) -> None:
     graph = next(iter(step._graphs.values())).graph
     assert graph is not None and len(graph.graphs) == len(graph.calls) + 1 >= 3  # two exchanges
     local, batch, coll = steps[-1]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        coll.reset()
-        out = step.run(local, batch)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    coll.reset()
+    got: list[Any] = []
+    assert host_syncs(lambda: got.append(step.run(local, batch))) == "none"
+    out = got[0]
     assert _equal(out, kept[-1])
 
 

@@ -178,7 +178,7 @@ def test_apply_resolved_writes_and_clears() -> None:
 
 
 def test_stage_takes_read_only_arrays() -> None:
-    from shardmax.ops.resolve import stage
+    from shardmax.runtime.host import stage
 
     a = np.arange(5)
     a.setflags(write=False)

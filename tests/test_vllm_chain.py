@@ -23,7 +23,7 @@ GPU (marked ``gpu``; the H200 run: ``pytest -m gpu tests/test_vllm_chain.py`` wi
 ``.vllm-kernels`` carried): the split pipeline at <= 64 rows, the monolithic kernel above and
 with ``topp_pipeline="monolithic"``, the version difference of ``has_topp_only_rows``, masking on
 both pipelines, every call run twice and compared bit for bit, and no host sync
-(``torch.cuda.set_sync_debug_mode("error")``) after the first call.
+(:func:`shardmax.testing.syncs.host_syncs`) after the first call.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 from shardmax.reference.nucleus import exact_nucleus_keep, min_p_keep
 from shardmax.reference.sampled import apply_temperature, top_k_mask, verify_sampled
 from shardmax.testing import VerifyBatch, random_verify_batch
+from shardmax.testing.syncs import host_syncs
 from shardmax.testing.vllm_chain import (
     NativeChain,
     chain_trees,
@@ -559,12 +560,7 @@ def test_pipelines_mask_on_gpu(case, forced: bool, chain: NativeChain) -> None:
     assert bool((out.num_sampled == 1).all()), out.num_sampled
     first = out.sampled[:, 0].cpu()
     assert bool(((first == ids[0::2, 0]) | (first == ids[0::2, 1])).all())
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        ch.verify(logits, **kw)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert host_syncs(lambda: ch.verify(logits, **kw)) == "none"
     print(f"[vllm_chain gpu] {name} vLLM {chain.version} {ch.topp_pipeline}: {expected}, "
           f"kernels {sorted(names)}")  # fmt: skip
 

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from shardmax.ops.sampled import VerifyResult
+from shardmax.runtime.host import stage, to_host
 from shardmax.runtime.shard import ShardContext
 
 __all__ = [
@@ -75,7 +76,6 @@ __all__ = [
     "resolution_logits",
     "resolution_rows",
     "resolve_requests",
-    "stage",
     "synthetic_sources",
 ]
 
@@ -86,24 +86,15 @@ SYNTHETIC_MAX_TEMPERATURE = 1000.0
 gather): ``SYNTHETIC_GAP * T`` must stay finite in fp16 (65504)."""
 
 
-def stage(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device`` without a host sync: on CUDA through pinned memory (PyTorch's
-    caching host allocator) and a non-blocking copy in stream order; elsewhere a plain copy.
-    (A copy from pageable memory would wait for every kernel queued before it.)"""
-    t = torch.from_numpy(np.require(a, requirements=("C", "W")))  # copies only if needed
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def flagged_requests(result: VerifyResult) -> tuple[np.ndarray, np.ndarray]:
     """``(requests, reasons)``: int64 ``[n]`` the requests of ``result`` whose ``fallback`` flag
     is set, increasing, and int8 ``[n]`` their ``FallbackReason`` codes.
 
     One device->host copy of the ``[num_reqs]`` reason codes (a request is flagged exactly when
-    its code is non-zero): the only host sync of a resolved step.
+    its code is non-zero; :func:`shardmax.runtime.host.to_host`): the host sync of a sampled
+    step.
     """
-    codes = result.reason.detach().to("cpu").numpy()
+    codes = to_host(result.reason)
     req = np.flatnonzero(codes).astype(np.int64)
     return req, codes[req]
 
@@ -153,7 +144,7 @@ def resolution_rows(
     rows = request_rows(cu_num_logits_np, requests)
     if result.need is None or rows.size == 0:
         return ResolutionRows(rows, np.ones(rows.size, dtype=bool), np.zeros(rows.size, dtype=bool))
-    need = result.need.detach().to("cpu").numpy()
+    need = to_host(result.need)
     if need.shape[0] <= int(rows[-1]):
         raise ValueError(
             f"result.need: expected [num_logits >= {int(rows[-1]) + 1}], got {need.shape}"

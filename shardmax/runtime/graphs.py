@@ -70,7 +70,7 @@ def batch_signature(batch: Any) -> tuple[Any, ...]:
     :class:`~shardmax.runtime.validation.StepBatch` -- a tensor by its dtype and length (every
     tensor of a checked batch is contiguous) and device, K and absent tensors (None) as they
     are."""
-    return tuple((t.dtype, t.shape[0], t.device) if type(t) is torch.Tensor else t for t in batch)
+    return tuple([(t.dtype, t.shape[0], t.device) if type(t) is torch.Tensor else t for t in batch])
 
 
 class _Captured:

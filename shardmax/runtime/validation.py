@@ -150,7 +150,9 @@ def check_float_tensor(
         raise ValueError(f"{name}: expected 1 dim, got shape {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name}: on {t.device}, expected the logits' device {device}")
-    return (t if dtype is None else t.to(dtype)).contiguous()
+    if dtype is not None and t.dtype != dtype:  # (a no-op .to() still costs ~2 us of host)
+        t = t.to(dtype)
+    return t.contiguous()
 
 
 class StepBatch(NamedTuple):
@@ -209,7 +211,7 @@ def check_step_batch(
     ``device``; returns the normalised :class:`StepBatch`. Sampling tensors (``temperature``,
     ``top_k``, ``top_p``, ``min_p``) are per request-state slot, like ``seed``."""
     k = check_int("num_speculative_steps", num_speculative_steps, 1)
-    dev = torch.device(device)
+    dev = device if type(device) is torch.device else torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # a tensor's device always has its index
         dev = torch.device("cuda", torch.cuda.current_device())
     draft = check_index_tensor("draft_sampled", draft_sampled, dev)

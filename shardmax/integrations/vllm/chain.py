@@ -80,7 +80,8 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import torch
 
-from shardmax.ops.resolve import check_requests, stage
+from shardmax.ops.resolve import check_requests
+from shardmax.runtime.host import stage
 
 __all__ = [
     "MODULES",

@@ -72,10 +72,10 @@ from shardmax.ops.resolve import (
     ResolutionRows,
     check_requests,
     resolution_logits,
-    stage,
     synthetic_sources,
 )
 from shardmax.runtime import kernels
+from shardmax.runtime.host import stage
 
 __all__ = ["CAPACITIES", "CapturedResolution"]
 

@@ -1,0 +1,236 @@
+"""The host's elementary costs on the verification step's path (issue 19), on the GPU.
+
+**1. Reading a step's flags.** The plug-in's sampled step reads its ``[num_reqs]`` fallback codes on the host once per step (the
+one host sync of a sampled step: a flagged request is resolved before the step returns). The
+host then waits for the forward and the verification, and the GPU idles from the moment the
+codes are ready until the host has woken up, looked at them and launched the next work: that
+gap, paid on every step, is what this benchmark measures for each way of reading the codes:
+
+* ``to_cpu``: ``codes.to("cpu")`` (a pageable copy; torch synchronises the stream);
+* ``pinned_stream``: a non-blocking copy into a pinned buffer, then
+  ``torch.cuda.current_stream().synchronize()``;
+* ``pinned_event``: the same copy, an event recorded behind it, ``event.synchronize()`` (CUDA's
+  default: the thread spins or yields as the driver decides);
+* ``pinned_event_blocking``: the same with ``torch.cuda.Event(blocking=True)`` (the thread
+  sleeps until the event);
+* ``pinned_poll``: the same copy and event, polled with ``event.query()`` in a loop;
+* ``none``: no read (the step stays asynchronous: the floor).
+
+Each timed step is the engine loop's: a captured stand-in forward (``--forward-us``), a small
+eager verification stand-in producing int8 codes for ``--reqs`` requests, the read, then the
+next step. Reported per method: the GPU gap (CUDA events: from the codes being ready to the
+next launch the host makes after the read; median), the host time of the read, the step time
+(wall / steps) and its ratio to ``none``.
+
+**2. Launching.** Host microseconds of one ``CUDAGraph.replay()`` of a graph of ``n`` small
+kernels (n = 1, 4, 16, 64), with the GPU idle and with it busy (the stand-in forward queued
+first), next to one eager torch launch and one Triton launch (``table_copy``, through
+shardmax's launcher): what a step's launches and replays cost the host.
+
+Needs a GPU.
+
+    python -m benchmarks.host_costs [--reqs 8,128] [--steps 300] [--forward-us 750]
+        [--out benchmarks/results/<arch>/host_costs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METHODS = ("none", "to_cpu", "pinned_stream", "pinned_event", "pinned_event_blocking",
+           "pinned_poll")  # fmt: skip
+FIELDS = ["reqs", "method", "gap_us_p50", "gap_us_p90", "read_host_us_p50", "step_us",
+          "vs_none"]  # fmt: skip
+
+
+def _reader(method: str, reqs: int) -> Callable[[torch.Tensor], Any]:
+    """The host read of ``codes`` (int8 ``[reqs]`` on the GPU) by ``method``."""
+    pinned = torch.empty(reqs, dtype=torch.int8).pin_memory()
+    event = torch.cuda.Event(blocking=method == "pinned_event_blocking")
+
+    def read(codes: torch.Tensor) -> Any:
+        if method == "none":
+            return None
+        if method == "to_cpu":
+            return codes.to("cpu").numpy()
+        pinned.copy_(codes, non_blocking=True)
+        if method == "pinned_stream":
+            torch.cuda.current_stream().synchronize()
+        else:
+            event.record()
+            if method == "pinned_poll":
+                while not event.query():
+                    pass
+            else:
+                event.synchronize()
+        return pinned.numpy()
+
+    return read
+
+
+def measure(method: str, reqs: int, steps: int, forward: Any) -> dict[str, Any]:
+    """One method's loop (see the module docstring)."""
+    logits = torch.randn(reqs * 4, 4096, device="cuda")
+    read = _reader(method, reqs)
+
+    def verify() -> torch.Tensor:  # a few small eager launches, int8 codes per request
+        top = logits.amax(dim=1).view(reqs, 4)
+        return (top.sum(dim=1) < -1e30).to(torch.int8)
+
+    for _ in range(5):
+        forward.replay()
+        read(verify())
+    torch.cuda.synchronize()
+    ready = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+    after = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+    host: list[float] = []
+    t0 = time.perf_counter()
+    for i in range(steps):
+        forward.replay()
+        codes = verify()
+        ready[i].record()
+        h0 = time.perf_counter()
+        read(codes)
+        host.append((time.perf_counter() - h0) * 1e6)
+        after[i].record()  # the next launch the host makes after the read
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    gaps = sorted(a.elapsed_time(b) * 1000 for a, b in zip(ready, after, strict=True))
+    return {
+        "reqs": reqs,
+        "method": method,
+        "gap_us_p50": statistics.median(gaps),
+        "gap_us_p90": gaps[int(0.9 * (len(gaps) - 1))],
+        "read_host_us_p50": statistics.median(host),
+        "step_us": wall / steps * 1e6,
+    }
+
+
+LAUNCH_FIELDS = ["what", "gpu", "host_us_p50", "host_us_p90"]
+
+
+def _host_us(call: Callable[[], Any], busy: Callable[[], Any] | None, n: int = 200) -> list[float]:
+    """Host microseconds of ``n`` calls of ``call``, each behind ``busy()`` when given (the GPU
+    then runs behind the host: the engine's situation), sorted."""
+    times = []
+    for _ in range(n):
+        if busy is not None:
+            busy()
+        h0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - h0) * 1e6)
+        if busy is None:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return sorted(times)
+
+
+def launches(forward: Any) -> list[dict[str, Any]]:
+    """Section 2: a replay of a graph of ``n`` small kernels, one torch launch, one Triton
+    launch; with the GPU idle and busy."""
+    from shardmax.runtime import kernels
+
+    x = torch.zeros(1024, device="cuda")
+    graphs = {}
+    for n in (1, 4, 16, 64):
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            x.add_(1.0)
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                x.add_(1.0)
+        g.replay()
+        graphs[n] = g
+    copy = kernels.kernel("table_copy")
+    table = torch.tensor([x.data_ptr(), x.data_ptr(), 0], dtype=torch.int64, device="cuda")
+    copy((1,), table, BLOCK=copy.module.BLOCK)  # compiled before timing
+    calls: dict[str, Callable[[], Any]] = {f"graph replay, {n} kernels": g.replay
+                                           for n, g in graphs.items()}  # fmt: skip
+    calls["torch launch (x.add_)"] = lambda: x.add_(1.0)
+    calls["Triton launch (table_copy)"] = lambda: copy((1,), table, BLOCK=copy.module.BLOCK)
+    rows = []
+    for what, call in calls.items():
+        for gpu, busy in (("idle", None), ("busy", forward.replay)):
+            t = _host_us(call, busy)
+            rows.append({"what": what, "gpu": gpu, "host_us_p50": statistics.median(t),
+                         "host_us_p90": t[int(0.9 * (len(t) - 1))]})  # fmt: skip
+            print(f"{what:30} GPU {gpu:4}: host p50 {rows[-1]['host_us_p50']:6.1f} us  p90 "
+                  f"{rows[-1]['host_us_p90']:6.1f} us", flush=True)  # fmt: skip
+    return rows
+
+
+def summary(rows: list[dict[str, Any]], launch_rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "# Reading a step's flags on the host after an eager verification", "",
+        "| requests | method | GPU gap us (p50 / p90) | read host us (p50) | step us | vs none |",
+        "|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"| {r['reqs']} | {r['method']} | {r['gap_us_p50']:.1f} / {r['gap_us_p90']:.1f} | "
+            f"{r['read_host_us_p50']:.1f} | {r['step_us']:.1f} | {r['vs_none']:.3f}x |"
+        )
+    lines += ["", "# Host cost of a launch", "", "| what | GPU | host us p50 | host us p90 |",
+              "|---|---|---|---|"]  # fmt: skip
+    for r in launch_rows:
+        lines.append(f"| {r['what']} | {r['gpu']} | {r['host_us_p50']:.1f} | "
+                     f"{r['host_us_p90']:.1f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.host_costs", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--reqs", default="8,128")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--forward-us", type=float, default=750.0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.host_costs: needs a GPU", file=sys.stderr)
+        return 2
+    from benchmarks.engine import _forward_graph
+    from shardmax.runtime.dispatch import detect_arch
+
+    forward, forward_us = _forward_graph(args.forward_us)
+    print(f"stand-in forward: {forward_us:.0f} us")
+    rows = []
+    for reqs in (int(r) for r in args.reqs.split(",")):
+        base = None
+        for method in METHODS:
+            r = measure(method, reqs, args.steps, forward)
+            base = r["step_us"] if method == "none" else base
+            r["vs_none"] = r["step_us"] / base if base else float("nan")
+            rows.append(r)
+            print(f"reqs={reqs:4} {method:22} gap p50 {r['gap_us_p50']:6.1f} us  read "
+                  f"{r['read_host_us_p50']:6.1f} us  step {r['step_us']:7.1f} us "
+                  f"({r['vs_none']:.3f}x)", flush=True)  # fmt: skip
+    launch_rows = launches(forward)
+    out = args.out or Path("benchmarks/results") / (detect_arch() or "unknown") / "host_costs"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, fields, data in (("flag_read.csv", FIELDS, rows),
+                               ("launches.csv", LAUNCH_FIELDS, launch_rows)):  # fmt: skip
+        with (out / name).open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            for r in data:
+                w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
+    (out / "HOST_COSTS.md").write_text(summary(rows, launch_rows) + "\n")
+    print(summary(rows, launch_rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
