@@ -121,10 +121,12 @@ def topp_variants() -> Iterator[VariantKey]:
 def graph_variants() -> Iterator[VariantKey]:
     """A step replayed from a CUDA graph (:mod:`shardmax.runtime.graphs`): the byte copies
     between the addresses of the step's argument table; the padded sub-batch of a per-request
-    resolution replayed from one (``CapturedResolution``), per logits dtype."""
+    resolution replayed from one (``CapturedResolution``), per logits dtype, and the write of its
+    answers into the step's outputs."""
     yield VariantKey("table_copy")
     for dtype in DTYPES:
         yield VariantKey("resolve_fill", dtype=dtype)
+    yield VariantKey("resolve_apply")
 
 
 def all_variants() -> list[VariantKey]:
@@ -151,6 +153,7 @@ TEMPLATE_OF_FAMILY = {
     "strict_lse": "strict_lse.py.j2",
     "table_copy": "table_copy.py.j2",
     "resolve_fill": "resolve_fill.py.j2",
+    "resolve_apply": "resolve_apply.py.j2",
     "topp_hist": "topp_hist.py.j2",
     "topp_combine": "topp_combine.py.j2",
     "topp_replay": "topp_replay.py.j2",
@@ -184,6 +187,7 @@ def template_context(key: VariantKey) -> dict[str, object]:
         "row_params",
         "strict_lse",
         "table_copy",
+        "resolve_apply",
     ):
         ctx.update(
             transport=key.transport,

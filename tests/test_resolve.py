@@ -500,7 +500,9 @@ def test_verify_resolution_equals_the_rows_built_apart(chain: NativeChain, dtype
     capacity's buffers) leaves every buffer and output bit-identical to ``resolution_logits`` +
     ``verify_requests``, over steps of 3, 1 and 2 requests (stale rows back to padding), T 0 to
     2 * SYNTHETIC_MAX_TEMPERATURE (the kernel's clamp), greedy, top-p; a last step with every
-    row gathered takes the rows as they are (no fill kernel), same answer."""
+    row gathered takes the rows as they are (no fill kernel), same answer. ``resolve`` writes
+    the same answers into the step's outputs (``resolve_apply``) as ``apply_resolved``, and a
+    later resolution of other requests on the same capacity leaves them alone."""
     from shardmax.integrations.vllm.resolution import FILL_WORDS
     from shardmax.runtime.kernels import load
 
@@ -517,7 +519,10 @@ def test_verify_resolution_equals_the_rows_built_apart(chain: NativeChain, dtype
     sampled = torch.randint(0, vocab, (num_reqs, k + 1), generator=gen)
     apart = CapturedResolution(chain, capacities=(1, 4), padded=True)
     fused = CapturedResolution(chain, capacities=(1, 4), padded=True)
-    for req in (np.array([1, 2, 4]), np.array([6]), np.array([0, 7]), np.array([3, 5])):
+    into = CapturedResolution(chain, capacities=(1, 4), padded=True)  # resolve(): in-kernel apply
+    written: list[tuple[VerifyResult, VerifyResult]] = []
+    steps = [([1, 2, 4], [0, 7]), ([6], [3]), ([0, 7], [1, 6]), ([3, 5], [2, 4])]
+    for req, other in ((np.array(r), np.array(o)) for r, o in steps):
         rows = request_rows(cu, req)
         gather = torch.rand(rows.size, generator=gen).numpy() < 0.4
         if req[0] == 3:  # every row gathered
@@ -535,6 +540,21 @@ def test_verify_resolution_equals_the_rows_built_apart(chain: NativeChain, dtype
         _assert_same(got, tuple(t.cpu() for t in want), f"fused {req}")
         for a, w in zip(_sub_state(fused), _sub_state(apart), strict=True):
             assert torch.equal(a, w), req
+        # resolve(): the same answers written into the step's outputs by resolve_apply (or by
+        # apply_resolved where the fill kernel is not used), bit-identical to apply_resolved's
+        result = _flagged_result(sampled, req, gen)
+        expect = VerifyResult(*(t.clone() for t in result[:5]))
+        apply_resolved(expect, req, *want)
+        into.resolve(result, gathered, plan, req, **kw)
+        for g, w in zip(result[:5], expect[:5], strict=True):
+            assert g.dtype == w.dtype and torch.equal(g, w), req
+        written.append((result, VerifyResult(*(t.clone() for t in result[:5]))))
+        # a later resolution of other requests through verify_requests (rows given) on the same
+        # capacity writes nothing into an earlier step's outputs (the table's n is reset there)
+        other_rows = torch.from_numpy(request_rows(cu, other))
+        into.verify_requests(b.logits[other_rows], other, **kw)
+        for old, copy in written:
+            assert all(torch.equal(g, w) for g, w in zip(old[:5], copy[:5], strict=True)), req
     assert fused.stats == apart.stats
     req = np.array([2])
     rows = request_rows(cu, req)
@@ -546,6 +566,22 @@ def test_verify_resolution_equals_the_rows_built_apart(chain: NativeChain, dtype
         fused.verify_resolution(gathered, plan, req, sampled[:2], **kw)
     with pytest.raises(TypeError, match="unexpected"):
         fused.verify_resolution(gathered, plan, req, sampled, **kw, temprature_gpu=None)
+
+
+def _flagged_result(sampled: torch.Tensor, req: np.ndarray, gen: torch.Generator) -> VerifyResult:
+    """A step's outputs with ``req`` flagged and every other request's answer arbitrary: the
+    tokens ``sampled`` (the synthetic draw rows read them), random counts, reasons 1-14."""
+    num_reqs, width = sampled.shape
+    fallback = torch.zeros(num_reqs, dtype=torch.bool)
+    fallback[torch.from_numpy(req)] = True
+    reason = torch.randint(1, 15, (num_reqs,), generator=gen, dtype=torch.int8) * fallback
+    return VerifyResult(
+        sampled.clone(),
+        torch.randint(1, width + 1, (num_reqs,), generator=gen, dtype=torch.int32),
+        torch.randint(0, width, (num_reqs,), generator=gen, dtype=torch.int32),
+        fallback,
+        reason.to(torch.int8),
+    )
 
 
 def _every_rule(seed: int, dtype: torch.dtype) -> tuple[TrafficBatch, dict]:

@@ -426,10 +426,13 @@ def resolve_requests(
     (:func:`resolution_rows`), ``fetch_rows(rows)`` -> their ``[m', V]`` logits (the plug-in:
     :func:`gather_rows` on the shard, a collective; tests: rows of the full tensor), the
     synthetic rows (:func:`resolution_logits`), ``resolver.verify_requests(logits, requests,
-    **inputs)`` -- or, for a resolver with ``verify_resolution`` (``CapturedResolution``), that
-    method on the gathered rows and the rows' plan (it builds the synthetic rows itself) (:meth:`~shardmax.integrations.vllm.chain.NativeChain.verify_requests`' contract:
-    ``inputs`` are the whole step's arguments, with ``cu_num_logits_np``, ``idx_mapping_np``,
-    ``draft_sampled`` and ``temperature_gpu``) and :func:`apply_resolved`.
+    **inputs)`` (:meth:`~shardmax.integrations.vllm.chain.NativeChain.verify_requests`'
+    contract: ``inputs`` are the whole step's arguments, with ``cu_num_logits_np``,
+    ``idx_mapping_np``, ``draft_sampled`` and ``temperature_gpu``) and :func:`apply_resolved`.
+    A resolver with ``resolve(result, gathered, rows, requests, **inputs)``
+    (``CapturedResolution``) does the last three itself -- synthetic rows built in its own
+    buffers, answers written into ``result`` --; one with only ``verify_resolution(gathered,
+    rows, requests, sampled, **inputs)`` builds the synthetic rows itself.
 
     Returns:
         int64 ``[m']``: the logits rows gathered (what crossed the ranks).
@@ -437,8 +440,12 @@ def resolve_requests(
     cu = inputs["cu_num_logits_np"]
     plan = resolution_rows(result, cu, requests)
     gathered = fetch_rows(plan.rows[plan.gather])
+    resolve_into = getattr(resolver, "resolve", None)
+    if resolve_into is not None:  # CapturedResolution: builds the synthetic rows in its own
+        resolve_into(result, gathered, plan, requests, **inputs)  # buffers, writes the answers
+        return plan.rows[plan.gather]
     fused = getattr(resolver, "verify_resolution", None)
-    if fused is not None:  # builds the synthetic rows in its own buffers (CapturedResolution)
+    if fused is not None:
         sub = fused(gathered, plan, requests, result.sampled, **inputs)
     else:
         logits = resolution_logits(

@@ -25,6 +25,7 @@ fixed order and are present only when the family has that axis::
     topp_replay_bf16                top-p replay: the ranks' records -> each row's kept set
     table_copy                      a replayed step's byte copies between table-held addresses
     resolve_fill_bf16               a resolution's padded sub-batch (synthetic rows, indices)
+    resolve_apply                   a resolution's answers written into the step's outputs
 
 ``tp`` is ``2``, ``4`` or ``8`` (the loop over ranks is unrolled) or ``n`` (any TP size,
 non-powers of two included). Names are valid Python module names.
@@ -52,6 +53,7 @@ FAMILIES = (
     "strict_lse",
     "table_copy",
     "resolve_fill",
+    "resolve_apply",
     "topp_hist",
     "topp_combine",
     "topp_replay",
@@ -64,7 +66,7 @@ UNROLLED_TP = (2, 4, 8)
 _NAME_RE = re.compile(
     r"^(?P<family>shard_keys|argmax_pick|verify_finish|sampled_record|sampled_finish"
     r"|sampled_draw|sampled_pick|sampled_merge|row_params|block_stats|strict_rebuild|strict_replay|strict_lse|table_copy"
-    r"|resolve_fill"
+    r"|resolve_fill|resolve_apply"
     r"|topp_hist|topp_combine|topp_replay)"
     r"(?:_(?P<dtype>bf16|fp16|fp32))?"
     r"(?:_va(?P<align>\d+))?"
@@ -104,6 +106,7 @@ class VariantKey:
             "row_params",
             "strict_lse",
             "table_copy",
+            "resolve_apply",
         ):
             if (self.dtype, self.align, self.block, self.tp, self.transport) != (None,) * 5:
                 raise ValueError(f"{self.family} has no axis: {self}")

@@ -70,10 +70,12 @@ from shardmax.ops.resolve import (
     SYNTHETIC_GAP,
     SYNTHETIC_MAX_TEMPERATURE,
     ResolutionRows,
+    apply_resolved,
     check_requests,
     resolution_logits,
     synthetic_sources,
 )
+from shardmax.ops.sampled import VerifyResult
 from shardmax.runtime import kernels
 from shardmax.runtime.host import stage
 
@@ -129,6 +131,11 @@ class _Rows(NamedTuple):
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 FILL_WORDS = 5
 """int64 words per row of ``resolve_fill``'s row table (its ``WORDS``)."""
+APPLY_WORDS = 6
+"""int64 words of ``resolve_apply``'s part of the table: n, then five output addresses."""
+_APPLY_DTYPES = (torch.int64, torch.int32, torch.int32, torch.bool, torch.int8)
+"""The dtypes ``resolve_apply`` writes: VerifyResult's sampled, num_sampled, num_rejected,
+fallback, reason."""
 
 
 def _fill_table(
@@ -158,6 +165,36 @@ def _fill_table(
     table[:m, :4] = np.stack([src.gathered_at, src.draft_at, src.sampled_at, src.slot], axis=1)
     table[:, 4] = row_sel
     return np.concatenate([table.reshape(-1), index[cap_rows:]])  # then req_sel, cu
+
+
+def _apply_targets(
+    into: VerifyResult | None, n: int, width: int, device: torch.device
+) -> np.ndarray | None:
+    """``resolve_apply``'s table words for writing ``n`` answers into ``into`` (n, then its
+    sampled / num_sampled / num_rejected / fallback / reason addresses), or None when ``into``
+    is None or its tensors are not what the kernel writes (contiguous, on ``device``, of
+    :data:`_APPLY_DTYPES`, ``[num_reqs, width]`` and ``[num_reqs]``): then the caller applies
+    the answers itself."""
+    if into is None or into.fallback is None or into.reason is None:
+        return None
+    outs = (into.sampled, into.num_sampled, into.num_rejected, into.fallback, into.reason)
+    num_reqs = into.sampled.shape[0] if into.sampled.dim() == 2 else -1
+    for t, dtype in zip(outs, _APPLY_DTYPES, strict=True):
+        shape = (num_reqs, width) if t is into.sampled else (num_reqs,)
+        if t.dtype != dtype or tuple(t.shape) != shape or t.device != device:
+            return None
+        if not t.is_contiguous():
+            return None
+    return np.array([n, *(t.data_ptr() for t in outs)], dtype=np.int64)
+
+
+def _upload(dst: torch.Tensor, table: np.ndarray) -> None:
+    """``table`` into the start of ``dst`` (int64, same device) in stream order, without a host
+    sync (pinned memory and a non-blocking copy on CUDA)."""
+    src = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
+    if dst.device.type == "cuda":
+        src = src.pin_memory()
+    dst[: src.shape[0]].copy_(src, non_blocking=dst.device.type == "cuda")
 
 
 def _state(step: dict[str, Any]) -> Any:
@@ -190,6 +227,11 @@ class _Sub:
         self.idx_mapping = torch.zeros(reqs, dtype=like["idx_mapping"].dtype, device=dev)
         self.seq_lens = torch.zeros(reqs, dtype=like["seq_lens"].dtype, device=dev)
         self.cu = torch.zeros(reqs + 1, dtype=like["cu_num_logits"].dtype, device=dev)
+        # the argument table the fill and apply kernels read (one host->device copy per step):
+        # resolve_fill's rows, req_sel, cu, then resolve_apply's words (n = 0: apply nothing)
+        self.req_off = rows * FILL_WORDS
+        self.apply_off = self.req_off + 2 * reqs + 1
+        self.table = torch.zeros(self.apply_off + APPLY_WORDS, dtype=torch.int64, device=dev)
         self.graph: Any = None
         self.out: ChainOutput | None = None
         self.keep: list[Any] = []  # what the graph reads and does not own
@@ -314,6 +356,51 @@ class CapturedResolution:
             TypeError / NotImplementedError / ValueError: as :meth:`verify_requests` and
                 :func:`~shardmax.ops.resolve.resolution_logits`.
         """
+        return self._resolution(gathered, rows, requests, sampled, None, step)[0]
+
+    def resolve(
+        self,
+        result: VerifyResult,
+        gathered: torch.Tensor,
+        rows: ResolutionRows,
+        requests: np.ndarray,
+        **step: Any,
+    ) -> ChainOutput:
+        """:meth:`verify_resolution` with the answers written into ``result`` (in place, flags
+        of the resolved requests cleared), as :func:`~shardmax.ops.resolve.apply_resolved`
+        writes them: where the step fits a capacity, by a ``resolve_apply`` launch at the end of
+        the captured chain (the step's output addresses travel in the capacity's table), so a
+        replayed resolution is one host->device copy, one ``resolve_fill`` launch and one graph
+        replay; otherwise by :func:`~shardmax.ops.resolve.apply_resolved`.
+
+        Args:
+            result: the step's outputs (:class:`~shardmax.ops.sampled.VerifyResult`; its
+                ``sampled`` holds the synthetic draw rows' tokens).
+            gathered, rows, requests, step: as :meth:`verify_resolution`.
+
+        Returns:
+            The resolved requests' answers, as :meth:`verify_resolution` (already written).
+
+        Raises:
+            As :meth:`verify_resolution` and :func:`~shardmax.ops.resolve.apply_resolved`.
+        """
+        out, applied = self._resolution(gathered, rows, requests, result.sampled, result, step)
+        if not applied:
+            apply_resolved(result, requests, out[0], out[1], out[2])
+        return out
+
+    def _resolution(
+        self,
+        gathered: torch.Tensor,
+        rows: ResolutionRows,
+        requests: np.ndarray,
+        sampled: torch.Tensor,
+        into: VerifyResult | None,
+        step: dict[str, Any],
+    ) -> tuple[ChainOutput, bool]:
+        """:meth:`verify_resolution`; with ``into``, also its answers written into ``into``
+        by the captured ``resolve_apply`` where the step fits a capacity. Returns ``(answers,
+        written into `into`)``."""
         unknown = sorted(set(step) - _STEP_ARGS)
         if unknown:
             raise TypeError(f"verify_resolution: unexpected arguments {unknown}")
@@ -338,21 +425,22 @@ class CapturedResolution:
             or int(step["num_speculative_steps"]) < 1  # resolve_fill writes cu from rows > reqs
             or gathered.dtype not in _DTYPE_NAMES
         ):
-            return self.verify_requests(built(), requests, **step)
+            return self.verify_requests(built(), requests, **step), False
         if step.get("checks", True):
             self.chain.verify_requests(gathered[:0], np.zeros(0, np.int64), **step)
         m = int(rows.rows.size)
         like = _Rows((m, int(gathered.shape[1])), gathered.dtype, gathered.device)
         plan = self._plan(like, requests, step)
         if plan is None:
-            return self.verify_requests(built(), requests, **step)
+            return self.verify_requests(built(), requests, **step), False
         table = _fill_table(plan, rows, requests, step, sampled, gathered)
         key, sub_args, _, n, _ = plan
+        outputs = _apply_targets(into, n, sampled.shape[1], device)
 
         def fill(sub: _Sub) -> None:
-            self._fill_kernel(sub, gathered, table, m, step, sampled)
+            self._fill_kernel(sub, gathered, table, m, step, sampled, outputs)
 
-        return self._run(key, sub_args, n, gathered, step, fill)
+        return self._run(key, sub_args, n, gathered, step, fill), outputs is not None
 
     def _run(
         self,
@@ -513,6 +601,7 @@ class CapturedResolution:
         torch.index_select(step["idx_mapping"], 0, req_sel, out=sub.idx_mapping)
         torch.index_select(step["seq_lens"], 0, req_sel, out=sub.seq_lens)
         sub.cu.copy_(cu)
+        sub.table[sub.apply_off].fill_(0)  # resolve_apply: nothing to write on this path
 
     def _fill_kernel(
         self,
@@ -522,16 +611,20 @@ class CapturedResolution:
         m: int,
         step: dict[str, Any],
         sampled: torch.Tensor,
+        outputs: np.ndarray | None = None,
     ) -> None:
-        """:meth:`_fill` for :meth:`verify_resolution`: the table (:func:`_fill_table`) to the
-        device, then one ``resolve_fill`` launch builds the gathered and synthetic rows in
+        """:meth:`_fill` for :meth:`verify_resolution`: the table (:func:`_fill_table`, then
+        ``resolve_apply``'s words: ``outputs``, or n = 0) into ``sub.table`` (one host->device
+        copy), then one ``resolve_fill`` launch builds the gathered and synthetic rows in
         ``sub.logits`` (an earlier step's rows past ``m`` back to padding) and gathers the
         sub-batch's indices."""
         rows, reqs = sub.rows, sub.reqs
         words = table[: rows * FILL_WORDS].reshape(rows, FILL_WORDS)  # a view of the table
         words[m : sub.dirty, 0] = -2
         sub.dirty = m
-        idx = stage(table, gathered.device)
+        apply = outputs if outputs is not None else np.zeros(APPLY_WORDS, dtype=np.int64)
+        _upload(sub.table, np.concatenate([table, apply]))
+        idx = sub.table
         vocab = int(sub.logits.shape[1])
         src = gathered if gathered.shape[0] else sub.logits
         name = f"resolve_fill_{_DTYPE_NAMES[gathered.dtype]}"
@@ -556,11 +649,20 @@ class CapturedResolution:
             sub.idx_mapping, sub.row_index["expanded_idx_mapping"],
             sub.row_index["expanded_local_pos"], gates,
         )  # fmt: skip
-        return chain._rejection(
+        out = chain._rejection(
             [chunk], state, int(sub.logits.shape[1]), key.k, step["temperature_gpu"],
             step["seed_gpu"], None, bool(step.get("use_fp64_gumbel", False)), sub.seq_lens,
             sub.cu, sub.idx_mapping, step["prefill_len"],
         )  # fmt: skip
+        # the answers into the step's outputs (table words: n = 0 writes nothing)
+        width = int(out.sampled.shape[1])
+        apply = kernels.kernel("resolve_apply")
+        apply(
+            (sub.reqs,), sub.table[sub.apply_off :], sub.table[sub.req_off :], out.sampled,
+            out.num_sampled, out.num_rejected, width,
+            BLOCK_K=max(int(apply.module.CONSTEXPRS["BLOCK_K"]), 1 << (width - 1).bit_length()),
+        )  # fmt: skip
+        return out
 
     def _capture(self, sub: _Sub, key: _Key, step: dict[str, Any]) -> None:
         """Capture the chain on ``sub`` (its buffers already filled; the earlier padded eager
