@@ -416,8 +416,8 @@ def nucleus_routing(runner: Any = None, input_batch: Any = None) -> bool:
     the flagged requests resolved at a fixed capacity from CUDA graphs -- the other ranks' bytes
     replayed, against an HBM copy standing in for the full-logits all-gather, a lower bound,
     plus vLLM 0.33's chain; 8 realistic T = 1 / top-p 0.95 steps per case): vLLM's latency over
-    the histogram path's was 1.32-1.64x at 32 rows and 1.01-1.66x at 160 rows (the same call
-    with every launch eager: 0.50-0.88x), with 1.3-4.6 % of the all-gather's bytes crossing
+    the histogram path's was 1.37-2.11x at 32 rows and 1.01-1.52x at 160 rows (the same call
+    with every launch eager: 0.51-0.84x), with 1.3-4.6 % of the all-gather's bytes crossing
     ranks.
     The candidate path (top-k / min-p) stays opt-in: 0.62-0.84x with the same graphs
     (``topp_step/candidates``; it flags 10-19 % of the requests).
@@ -499,9 +499,9 @@ def sampled_routing(tp: int) -> bool:
     ``$SHARDMAX_VLLM_SAMPLED`` = ``auto`` (default: at TP > 1 only), ``1`` (also at TP 1) or
     ``0`` (never). ``auto`` by measured cost: at TP 1 there is no all-gather to save, and in the
     engine loop on one H200 (``benchmarks/results/sm90/ENGINE.md``, V = 200064, T = 1, 4-512
-    rows) the plug-in's sampled call -- with its one host read of the flags, a sync -- gave 8-22 %
-    fewer tokens/s than vLLM's own chain (8-15 % a run earlier); greedy steps stay sharded at
-    every TP (faster there).
+    rows) the plug-in's sampled call -- with its one host read of the flags, a sync -- gave 7-19 %
+    fewer tokens/s than vLLM's own chain (8-22 % and 8-15 % in earlier runs); greedy steps stay
+    sharded at every TP (faster there).
 
     Raises:
         ValueError: any other value (named, with the accepted ones).
