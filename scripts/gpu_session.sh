@@ -60,6 +60,8 @@
 #   bash scripts/gpu_session.sh HP  one H200: the host's elementary costs (the flag read, a graph
 #                                   replay, a launch; PROFILE=1: host profiles of the plug-in's
 #                                   replayed call and of a resolving top-p step)
+#   bash scripts/gpu_session.sh RA  one H200: the host read's, the graph sync and vLLM pipeline
+#                                   GPU tests, then the resolution GPU tests (resolve_apply)
 #   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
 #                                   benchmark (after a change of the resolution's host path)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
@@ -502,6 +504,20 @@ HP)
   fi
   tar -czf "$OUT/HP.tar.gz" -C "$OUT" host_costs engine topp_step 2>/dev/null
   rm -rf "$OUT/host_costs" "$OUT/engine" "$OUT/topp_step"
+  ;;
+RA)
+  # after a change of resolve_apply / the host read: the host read's GPU test, the resolution
+  # GPU tests (vs vLLM's chains, captured, no write into an earlier step), the graph tests'
+  # sync checks and vLLM's pipelines without a host sync
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "host read + graph sync GPU tests"
+  timeout "$(left 150)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_host.py \
+    tests/test_graphs.py -k "host or sync or split or replay" >"$OUT/host_RA.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED" "$OUT/host_RA.log" | tail -6
+  timeout "$(left 250)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_vllm_chain.py \
+    -k pipelines_mask_on_gpu >"$OUT/chain_RA.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED" "$OUT/chain_RA.log" | tail -6
+  resolve_gpu_tests RA 450
   ;;
 *)
   echo "unknown stage $STAGE" >&2

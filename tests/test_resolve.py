@@ -566,6 +566,12 @@ def test_verify_resolution_equals_the_rows_built_apart(chain: NativeChain, dtype
         fused.verify_resolution(gathered, plan, req, sampled[:2], **kw)
     with pytest.raises(TypeError, match="unexpected"):
         fused.verify_resolution(gathered, plan, req, sampled, **kw, temprature_gpu=None)
+    # outputs that are not the step's shape are refused, never written through (resolve_apply
+    # would index them with the step's request numbers and K + 1)
+    for shape in ((3, k + 1), (num_reqs, k + 2), (num_reqs, k)):
+        bad = _flagged_result(torch.zeros(shape, dtype=torch.int64), np.array([2]), gen)
+        with pytest.raises(ValueError, match="result: expected sampled"):
+            into.resolve(bad, gathered, plan, req, **kw)
 
 
 def _flagged_result(sampled: torch.Tensor, req: np.ndarray, gen: torch.Generator) -> VerifyResult:
@@ -905,6 +911,7 @@ def test_captured_resolution_on_gpu(case) -> None:
     num_reqs, vocab, tp = case
     resolvers = {c.version: CapturedResolution(c) for c in CHAINS}
     resolved = 0
+    kept: list[tuple[VerifyResult, list[torch.Tensor]]] = []  # every step's outputs, and a copy
     for seed in range(_gpu_seeds()):
         b = realistic_batch(num_reqs, 3, vocab, seed=seed, mix="top_p", device="cuda")
         kw = verify_inputs(b)
@@ -916,9 +923,14 @@ def test_captured_resolution_on_gpu(case) -> None:
                 assert not bool(res.fallback.any())
                 _assert_same(res, whole, f"vLLM {chain.version} {case} captured seed {seed}")
                 assert np.array_equal(req, runs[0][1])
+                kept.append((res, [t.clone() for t in res[:5]]))
             a, b2 = runs[1][0], runs[2][0]
             assert torch.equal(a.sampled, b2.sampled) and torch.equal(a.num_sampled, b2.num_sampled)
             resolved += int(runs[0][1].size)
+    # the replayed resolve_apply writes only into the step it resolves: no later step (other
+    # requests, other answers, the same captured graphs) changed an earlier step's outputs
+    for i, (res, copy) in enumerate(kept):
+        assert all(torch.equal(t, c) for t, c in zip(res[:5], copy, strict=True)), i
     for version, r in resolvers.items():
         print(f"[captured resolution] vLLM {version} {case}: {r.stats}, {resolved} requests")
         if resolved:

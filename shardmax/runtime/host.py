@@ -5,7 +5,7 @@
 * :func:`to_host`: a small device tensor read on the host -- the one host sync of a sampled
   step (its fallback codes). The copy lands in a pinned staging buffer kept per device and the
   host waits on an event recorded behind it, instead of ``tensor.to("cpu")``'s pageable copy
-  and whole-stream synchronisation; ``benchmarks/flag_read.py`` measures both (the GPU idles
+  and whole-stream synchronisation; ``benchmarks/host_costs.py`` measures both (the GPU idles
   from the moment the codes are ready until the host has read them, on every step).
 """
 

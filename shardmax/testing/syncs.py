@@ -20,14 +20,21 @@ __all__ = ["host_syncs"]
 
 def host_syncs(call: Callable[[], Any]) -> str:
     """Run ``call()`` once and say how it synchronised with the device: ``"none"``, or the
-    first synchronising operation (``"sync: <torch's message>"`` or ``"wait: Event.synchronize"``
-    etc.). Needs CUDA; the device is synchronised before and after."""
+    first synchronising operation torch reports (``"sync: <torch's message>"``), or else the
+    first explicit wait (``"wait: Event.synchronize"``, ``Stream.synchronize``, ``synchronize``
+    of ``torch.cuda`` or ``torch.accelerator``). Needs CUDA; the device is synchronised before
+    and after, and torch's sync debug mode restored. Errors of ``call`` other than torch's sync
+    error propagate."""
     waits: list[str] = []
-    patched = [
-        (torch.cuda.Event, "synchronize"),
-        (torch.cuda.Stream, "synchronize"),
-        (torch.cuda, "synchronize"),
-    ]
+    patched = [(torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"),
+               (torch.cuda, "synchronize")]  # fmt: skip
+    for owner in ("Event", "Stream"):  # torch's device-generic classes, where they exist
+        cls = getattr(torch, owner, None)
+        if isinstance(cls, type) and cls not in (torch.cuda.Event, torch.cuda.Stream):
+            patched.append((cls, "synchronize"))
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "synchronize"):
+        patched.append((accelerator, "synchronize"))
     saved = [(obj, name, getattr(obj, name)) for obj, name in patched]
 
     def counting(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -38,17 +45,20 @@ def host_syncs(call: Callable[[], Any]) -> str:
         return wrapper
 
     torch.cuda.synchronize()
+    mode = torch.cuda.get_sync_debug_mode()
     for obj, name, fn in saved:
-        label = f"{getattr(obj, '__name__', 'torch.cuda')}.{name}"
-        setattr(obj, name, counting(label, fn))
+        label = getattr(obj, "__name__", str(obj)).rsplit(".", 1)[-1]
+        setattr(obj, name, counting(f"{label}.{name}", fn))
     torch.cuda.set_sync_debug_mode("error")
     try:
         call()
-        return f"wait: {waits[0]}" if waits else "none"
     except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise
         return "sync: " + str(e).splitlines()[0][:80]
     finally:
-        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.set_sync_debug_mode(mode)
         for obj, name, fn in saved:
             setattr(obj, name, fn)
         torch.cuda.synchronize()
+    return f"wait: {waits[0]}" if waits else "none"

@@ -167,18 +167,31 @@ def _fill_table(
     return np.concatenate([table.reshape(-1), index[cap_rows:]])  # then req_sel, cu
 
 
+def _check_result(result: VerifyResult, step: dict[str, Any]) -> None:
+    """``result`` holds the step's outputs: ``sampled`` ``[num_reqs, K + 1]``, the counts and
+    flags ``[num_reqs]`` (``num_reqs`` and K of the step's arguments)."""
+    num_reqs = len(step["cu_num_logits_np"]) - 1
+    width = int(step["num_speculative_steps"]) + 1
+    got = [tuple(t.shape) for t in result[:5]]
+    if got != [(num_reqs, width)] + [(num_reqs,)] * 4:
+        raise ValueError(
+            f"result: expected sampled [{num_reqs}, {width}] and num_sampled / num_rejected / "
+            f"fallback / reason [{num_reqs}] (the step's {num_reqs} requests, K = {width - 1}), "
+            f"got {[list(g) for g in got]}"
+        )
+
+
 def _apply_targets(
-    into: VerifyResult | None, n: int, width: int, device: torch.device
+    into: VerifyResult | None, n: int, num_reqs: int, width: int, device: torch.device
 ) -> np.ndarray | None:
     """``resolve_apply``'s table words for writing ``n`` answers into ``into`` (n, then its
     sampled / num_sampled / num_rejected / fallback / reason addresses), or None when ``into``
     is None or its tensors are not what the kernel writes (contiguous, on ``device``, of
-    :data:`_APPLY_DTYPES`, ``[num_reqs, width]`` and ``[num_reqs]``): then the caller applies
-    the answers itself."""
+    :data:`_APPLY_DTYPES`, ``[num_reqs, width]`` and ``[num_reqs]`` with the step's
+    ``num_reqs`` and ``width = K + 1``): then the caller applies the answers itself."""
     if into is None or into.fallback is None or into.reason is None:
         return None
     outs = (into.sampled, into.num_sampled, into.num_rejected, into.fallback, into.reason)
-    num_reqs = into.sampled.shape[0] if into.sampled.dim() == 2 else -1
     for t, dtype in zip(outs, _APPLY_DTYPES, strict=True):
         shape = (num_reqs, width) if t is into.sampled else (num_reqs,)
         if t.dtype != dtype or tuple(t.shape) != shape or t.device != device:
@@ -382,8 +395,11 @@ class CapturedResolution:
             The resolved requests' answers, as :meth:`verify_resolution` (already written).
 
         Raises:
-            As :meth:`verify_resolution` and :func:`~shardmax.ops.resolve.apply_resolved`.
+            ValueError: ``result``'s tensors not ``[num_reqs, K + 1]`` / ``[num_reqs]`` for the
+                step's requests and K (named, with the shapes); otherwise as
+                :meth:`verify_resolution` and :func:`~shardmax.ops.resolve.apply_resolved`.
         """
+        _check_result(result, step)
         out, applied = self._resolution(gathered, rows, requests, result.sampled, result, step)
         if not applied:
             apply_resolved(result, requests, out[0], out[1], out[2])
@@ -435,7 +451,9 @@ class CapturedResolution:
             return self.verify_requests(built(), requests, **step), False
         table = _fill_table(plan, rows, requests, step, sampled, gathered)
         key, sub_args, _, n, _ = plan
-        outputs = _apply_targets(into, n, sampled.shape[1], device)
+        num_reqs = len(cu_np) - 1
+        width = int(step["num_speculative_steps"]) + 1
+        outputs = _apply_targets(into, n, num_reqs, width, device)
 
         def fill(sub: _Sub) -> None:
             self._fill_kernel(sub, gathered, table, m, step, sampled, outputs)
@@ -657,9 +675,15 @@ class CapturedResolution:
         # the answers into the step's outputs (table words: n = 0 writes nothing)
         width = int(out.sampled.shape[1])
         apply = kernels.kernel("resolve_apply")
+        if out.sampled.dim() != 2 or out.sampled.stride(1) != 1:
+            raise RuntimeError(
+                f"vLLM's chain returned tokens of shape {tuple(out.sampled.shape)} and strides "
+                f"{out.sampled.stride()}; resolve_apply reads [slots, K + 1] rows of unit stride"
+            )
         apply(
             (sub.reqs,), sub.table[sub.apply_off :], sub.table[sub.req_off :], out.sampled,
-            out.num_sampled, out.num_rejected, width,
+            out.num_sampled, out.num_rejected, width, out.sampled.stride(0),
+            out.num_sampled.stride(0), out.num_rejected.stride(0),
             BLOCK_K=max(int(apply.module.CONSTEXPRS["BLOCK_K"]), 1 << (width - 1).bit_length()),
         )  # fmt: skip
         return out
