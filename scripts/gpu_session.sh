@@ -512,12 +512,12 @@ RA)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
   stamp "host read + graph sync GPU tests"
   timeout "$(left 150)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_host.py \
-    tests/test_graphs.py -k "host or sync or split or replay" >"$OUT/host_RA.log" 2>&1
+    tests/test_graphs.py -k "host or sync or split" >"$OUT/host_RA.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED" "$OUT/host_RA.log" | tail -6
   timeout "$(left 250)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_vllm_chain.py \
     -k pipelines_mask_on_gpu >"$OUT/chain_RA.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED" "$OUT/chain_RA.log" | tail -6
-  resolve_gpu_tests RA 450
+  [ -n "${SKIP_RESOLVE:-}" ] || resolve_gpu_tests RA 450
   ;;
 *)
   echo "unknown stage $STAGE" >&2

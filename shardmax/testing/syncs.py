@@ -22,7 +22,9 @@ def host_syncs(call: Callable[[], Any]) -> str:
     """Run ``call()`` once and say how it synchronised with the device: ``"none"``, or the
     first synchronising operation torch reports (``"sync: <torch's message>"``), or else the
     first explicit wait (``"wait: Event.synchronize"``, ``Stream.synchronize``, ``synchronize``
-    of ``torch.cuda`` or ``torch.accelerator``). Needs CUDA; the device is synchronised before
+    of ``torch.cuda`` or ``torch.accelerator``; the waits of ``torch.cuda.Event`` /
+    ``torch.cuda.Stream`` and of ``torch.Event`` / ``torch.Stream`` where those types can be
+    patched -- an immutable extension type cannot). Needs CUDA; the device is synchronised before
     and after, and torch's sync debug mode restored. Errors of ``call`` other than torch's sync
     error propagate."""
     waits: list[str] = []
@@ -46,11 +48,16 @@ def host_syncs(call: Callable[[], Any]) -> str:
 
     torch.cuda.synchronize()
     mode = torch.cuda.get_sync_debug_mode()
-    for obj, name, fn in saved:
-        label = getattr(obj, "__name__", str(obj)).rsplit(".", 1)[-1]
-        setattr(obj, name, counting(f"{label}.{name}", fn))
-    torch.cuda.set_sync_debug_mode("error")
+    applied = []
     try:
+        for obj, name, fn in saved:
+            label = getattr(obj, "__name__", str(obj)).rsplit(".", 1)[-1]
+            try:
+                setattr(obj, name, counting(f"{label}.{name}", fn))
+            except TypeError:  # an immutable extension type (torch.Event): its Python
+                continue  # subclasses (torch.cuda.Event) are patched above
+            applied.append((obj, name, fn))
+        torch.cuda.set_sync_debug_mode("error")
         call()
     except RuntimeError as e:
         if "synchroniz" not in str(e):
@@ -58,7 +65,7 @@ def host_syncs(call: Callable[[], Any]) -> str:
         return "sync: " + str(e).splitlines()[0][:80]
     finally:
         torch.cuda.set_sync_debug_mode(mode)
-        for obj, name, fn in saved:
+        for obj, name, fn in applied:
             setattr(obj, name, fn)
         torch.cuda.synchronize()
     return f"wait: {waits[0]}" if waits else "none"
