@@ -92,7 +92,7 @@ def flagged_requests(result: VerifyResult) -> tuple[np.ndarray, np.ndarray]:
 
     One device->host copy of the ``[num_reqs]`` reason codes (a request is flagged exactly when
     its code is non-zero; :func:`shardmax.runtime.host.to_host`): the host sync of a sampled
-    step.
+    step (:func:`resolution_rows`' read of ``need`` comes after it and waits for nothing).
     """
     codes = to_host(result.reason)
     req = np.flatnonzero(codes).astype(np.int64)

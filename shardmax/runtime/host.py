@@ -2,8 +2,9 @@
 
 * :func:`stage`: a host array to the device in stream order, without a host sync (pinned memory,
   non-blocking copy).
-* :func:`to_host`: a small device tensor read on the host -- the one host sync of a sampled
-  step (its fallback codes). The copy lands in a pinned staging buffer kept per device and the
+* :func:`to_host`: a small device tensor read on the host -- a sampled step's host sync (its
+  fallback codes; on a step that resolves requests also ``VerifyResult.need``, read after the
+  codes, so it waits for nothing). The copy lands in a pinned staging buffer kept per device and the
   host waits on an event recorded behind it, instead of ``tensor.to("cpu")``'s pageable copy
   and whole-stream synchronisation; ``benchmarks/host_costs.py`` measures both (the GPU idles
   from the moment the codes are ready until the host has read them, on every step).

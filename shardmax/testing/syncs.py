@@ -1,11 +1,12 @@
 """Detecting host syncs in a call: torch's sync debug mode plus the waits it does not see.
 
 ``torch.cuda.set_sync_debug_mode("error")`` raises on the synchronising *tensor* operations
-(``.item()``, ``.to("cpu")`` of a CUDA tensor, ``nonzero`` ...), but not on explicit waits:
-``torch.cuda.Event.synchronize``, ``torch.cuda.Stream.synchronize`` and
-``torch.cuda.synchronize`` -- the waits :func:`shardmax.runtime.host.to_host` (the plug-in's
-flag read) makes. :func:`host_syncs` checks both, so a benchmark or test that claims "no host
-sync" cannot be fooled by a wait that torch does not report.
+(``.item()``, ``.to("cpu")`` of a CUDA tensor, ``nonzero`` ...), but not on an event wait:
+``torch.cuda.Event.synchronize`` -- the wait :func:`shardmax.runtime.host.to_host` (the
+plug-in's flag read) makes passes unreported (measured on the H200: torch's mode lets it through,
+:func:`host_syncs` reports it). :func:`host_syncs` checks torch's mode and counts the explicit
+waits besides -- event, stream and device ``synchronize`` --, so a benchmark or test that claims
+"no host sync" cannot be fooled by a wait that torch does not report.
 """
 
 from __future__ import annotations

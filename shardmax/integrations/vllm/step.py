@@ -500,7 +500,7 @@ def sampled_routing(tp: int) -> bool:
     ``0`` (never). ``auto`` by measured cost: at TP 1 there is no all-gather to save, and in the
     engine loop on one H200 (``benchmarks/results/sm90/ENGINE.md``, V = 200064, T = 1, 4-512
     rows) the plug-in's sampled call -- with its one host read of the flags, a sync -- gave 7-19 %
-    fewer tokens/s than vLLM's own chain (8-22 % and 8-15 % in earlier runs); greedy steps stay
+    fewer tokens/s than vLLM's own chain (13-22 %, 8-22 % and 10-15 % in earlier runs); greedy steps stay
     sharded at every TP (faster there).
 
     Raises:
