@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardmax.runtime.host import stage, to_host
+from shardmax.runtime.host import stage, stage_into, to_host
 from shardmax.testing.syncs import host_syncs
 
 CASES = [
@@ -32,6 +32,9 @@ def test_to_host_is_a_private_copy(t: torch.Tensor) -> None:
 def test_stage_round_trip() -> None:
     a = np.arange(7, dtype=np.int64)[::2]
     assert to_host(stage(a, torch.device("cpu"))).tolist() == [0, 2, 4, 6]
+    dst = torch.full((6,), -1, dtype=torch.int64)
+    stage_into(dst, a)
+    assert dst.tolist() == [0, 2, 4, 6, -1, -1]
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """Small host <-> device copies on the hot path, without needless stalls.
 
-* :func:`stage`: a host array to the device in stream order, without a host sync (pinned memory,
-  non-blocking copy).
+* :func:`stage` / :func:`stage_into`: a host array to the device (a new tensor / a given one)
+  in stream order, without a host sync (pinned memory, non-blocking copy).
 * :func:`to_host`: a small device tensor read on the host -- a sampled step's host sync (its
   fallback codes; on a step that resolves requests also ``VerifyResult.need``, read after the
   codes, so it waits for nothing). The copy lands in a pinned staging buffer kept per device and the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["stage", "to_host"]
+__all__ = ["stage", "stage_into", "to_host"]
 
 _STAGING: dict[torch.device, tuple[torch.Tensor, torch.cuda.Event]] = {}
 """Per CUDA device: a pinned byte buffer (grown on demand) and the event the read waits on."""
@@ -29,6 +29,16 @@ def stage(a: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def stage_into(dst: torch.Tensor, a: np.ndarray) -> None:
+    """:func:`stage` into the first ``len(a)`` elements of the 1-D ``dst`` (a static buffer a
+    CUDA graph reads; ``a`` cast to its dtype)."""
+    src = torch.from_numpy(np.ascontiguousarray(a)).to(dst.dtype)
+    if dst.device.type == "cuda":
+        dst[: src.shape[0]].copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst[: src.shape[0]].copy_(src)
 
 
 def _staging(device: torch.device, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event]:

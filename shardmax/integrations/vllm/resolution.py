@@ -77,7 +77,7 @@ from shardmax.ops.resolve import (
 )
 from shardmax.ops.sampled import VerifyResult
 from shardmax.runtime import kernels
-from shardmax.runtime.host import stage
+from shardmax.runtime.host import stage, stage_into
 
 __all__ = ["CAPACITIES", "CapturedResolution"]
 
@@ -181,33 +181,19 @@ def _check_result(result: VerifyResult, step: dict[str, Any]) -> None:
         )
 
 
-def _apply_targets(
-    into: VerifyResult | None, n: int, num_reqs: int, width: int, device: torch.device
-) -> np.ndarray | None:
+def _apply_targets(into: VerifyResult | None, n: int, device: torch.device) -> np.ndarray | None:
     """``resolve_apply``'s table words for writing ``n`` answers into ``into`` (n, then its
     sampled / num_sampled / num_rejected / fallback / reason addresses), or None when ``into``
     is None or its tensors are not what the kernel writes (contiguous, on ``device``, of
-    :data:`_APPLY_DTYPES`, ``[num_reqs, width]`` and ``[num_reqs]`` with the step's
-    ``num_reqs`` and ``width = K + 1``): then the caller applies the answers itself."""
-    if into is None or into.fallback is None or into.reason is None:
+    :data:`_APPLY_DTYPES`): then the caller applies the answers itself. Their shapes are the
+    step's (:func:`_check_result`, which :meth:`CapturedResolution.resolve` runs first)."""
+    if into is None:
         return None
     outs = (into.sampled, into.num_sampled, into.num_rejected, into.fallback, into.reason)
     for t, dtype in zip(outs, _APPLY_DTYPES, strict=True):
-        shape = (num_reqs, width) if t is into.sampled else (num_reqs,)
-        if t.dtype != dtype or tuple(t.shape) != shape or t.device != device:
-            return None
-        if not t.is_contiguous():
+        if t.dtype != dtype or t.device != device or not t.is_contiguous():
             return None
     return np.array([n, *(t.data_ptr() for t in outs)], dtype=np.int64)
-
-
-def _upload(dst: torch.Tensor, table: np.ndarray) -> None:
-    """``table`` into the start of ``dst`` (int64, same device) in stream order, without a host
-    sync (pinned memory and a non-blocking copy on CUDA)."""
-    src = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
-    if dst.device.type == "cuda":
-        src = src.pin_memory()
-    dst[: src.shape[0]].copy_(src, non_blocking=dst.device.type == "cuda")
 
 
 def _state(step: dict[str, Any]) -> Any:
@@ -451,9 +437,7 @@ class CapturedResolution:
             return self.verify_requests(built(), requests, **step), False
         table = _fill_table(plan, rows, requests, step, sampled, gathered)
         key, sub_args, _, n, _ = plan
-        num_reqs = len(cu_np) - 1
-        width = int(step["num_speculative_steps"]) + 1
-        outputs = _apply_targets(into, n, num_reqs, width, device)
+        outputs = _apply_targets(into, n, device)
 
         def fill(sub: _Sub) -> None:
             self._fill_kernel(sub, gathered, table, m, step, sampled, outputs)
@@ -641,7 +625,7 @@ class CapturedResolution:
         words[m : sub.dirty, 0] = -2
         sub.dirty = m
         apply = outputs if outputs is not None else np.zeros(APPLY_WORDS, dtype=np.int64)
-        _upload(sub.table, np.concatenate([table, apply]))
+        stage_into(sub.table, np.concatenate([table, apply]))
         idx = sub.table
         vocab = int(sub.logits.shape[1])
         src = gathered if gathered.shape[0] else sub.logits
