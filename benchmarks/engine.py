@@ -150,6 +150,7 @@ def _shardmax_step(
                 )  # fmt: skip
         return res
 
+    step.shard = shard  # type: ignore[attr-defined]  # host_costs times the step's parts
     return step
 
 

@@ -27,9 +27,19 @@ kernels (n = 1, 4, 16, 64), with the GPU idle and with it busy (the stand-in for
 first), next to one eager torch launch and one Triton launch (``table_copy``, through
 shardmax's launcher): what a step's launches and replays cost the host.
 
+**3. The replayed call by part.** Host microseconds of the engine benchmark's ``shardmax`` call
+(``benchmarks.engine``: the plug-in's call without the flag read, replayed from the plan's CUDA
+graph) on realistic traffic (V = 200064, bf16, K = 3), whole and part by part, each part timed
+alone behind the stand-in forward: the step's host checks (``check_step_batch``), the shard's
+cached plan and its graphed step, :class:`~shardmax.runtime.graphs.GraphedStep`'s own checks
+(logits, alignment, batch signature), the output allocations, the argument table (written,
+then copied to the device) and the graph replay. ``sum of parts`` against ``whole`` shows what
+is left in the glue between them.
+
 Needs a GPU.
 
     python -m benchmarks.host_costs [--reqs 8,128] [--steps 300] [--forward-us 750]
+        [--part-rows 32,512]
         [--out benchmarks/results/<arch>/host_costs]
 """
 
@@ -171,7 +181,83 @@ def launches(forward: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def summary(rows: list[dict[str, Any]], launch_rows: list[dict[str, Any]]) -> str:
+PART_FIELDS = ["mix", "rows", "part", "host_us_p50", "host_us_p90"]
+PARTS = ("check_step_batch", "plan + graphed lookup", "GraphedStep checks", "output allocations",
+         "argument table (write + copy)", "graph replay", "sum of parts", "whole call")  # fmt: skip
+
+
+def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> list[dict[str, Any]]:
+    """Section 3: the engine's replayed ``shardmax`` call, whole and by part (GPU busy)."""
+    from benchmarks.engine import _shardmax_step
+    from shardmax.runtime.graphs import batch_signature
+    from shardmax.runtime.validation import check_step_batch
+    from shardmax.testing.traffic import realistic_batch
+
+    out = []
+    for mix in ("greedy", "temperature"):
+        for rows in rows_list:
+            t = realistic_batch(max(1, rows // 4), 3, vocab, seed=rows, mix=mix, device="cuda")
+            step = _shardmax_step(t, mix, (None, None))
+            for _ in range(4):  # eager, captured, replayed
+                step()
+            torch.cuda.synchronize()
+            logits, n = t.logits, t.logits.shape[0]
+            temp = t.temperature if mix != "greedy" else None
+
+            def check(t: Any = t, n: int = n, temp: Any = temp) -> Any:
+                return check_step_batch(
+                    n, t.logits.device, t.draft_sampled, t.cu_num_logits, t.pos, t.idx_mapping,
+                    t.expanded_local_pos, t.seed, t.num_speculative_steps, None, None, None,
+                    temperature=temp, top_p=t.top_p,
+                )  # fmt: skip
+
+            batch = check()
+            shard = step.shard  # type: ignore[attr-defined]  # the step's VocabShard
+            plan = shard.greedy_verify(n) if mix == "greedy" else shard.verify(n)
+            graphed = shard.graphed(plan)
+            captured = graphed._graphs[batch_signature(batch)]  # this batch's captured step
+            held = [torch.empty_like(o) for o in captured.outputs]  # alive while replayed
+
+            def lookup(shard: Any = shard, n: int = n, mix: str = mix) -> Any:
+                p = shard.greedy_verify(n) if mix == "greedy" else shard.verify(n)
+                return shard.graphed(p)
+
+            def own_checks(plan: Any = plan, graphed: Any = graphed, batch: Any = batch,
+                           logits: Any = logits) -> Any:  # fmt: skip
+                plan.ctx.check_logits(logits, plan.num_logits, plan.row_stride)
+                return logits.data_ptr() % 16, graphed._graphs.get(batch_signature(batch))
+
+            def table(c: Any = captured, batch: Any = batch, held: Any = held,
+                      logits: Any = logits) -> None:  # fmt: skip
+                c._fill(logits, batch, held)
+                c._upload()
+
+            calls = {
+                "check_step_batch": check,
+                "plan + graphed lookup": lookup,
+                "GraphedStep checks": own_checks,
+                "output allocations": lambda c=captured: [torch.empty_like(o) for o in c.outputs],
+                "argument table (write + copy)": table,
+                "graph replay": captured.graph.replay,
+                "whole call": step,
+            }
+            got = {}
+            for part, call in calls.items():
+                times = _host_us(call, forward.replay)
+                got[part] = (statistics.median(times), times[int(0.9 * (len(times) - 1))])
+            parts = [v for k, v in got.items() if k != "whole call"]
+            got["sum of parts"] = (sum(p[0] for p in parts), sum(p[1] for p in parts))
+            for part in PARTS:
+                p50, p90 = got[part]
+                out.append({"mix": mix, "rows": n, "part": part, "host_us_p50": p50,
+                            "host_us_p90": p90})  # fmt: skip
+                print(f"{mix:11} rows={n:4} {part:30} host p50 {p50:6.1f} us  p90 {p90:6.1f} us",
+                      flush=True)  # fmt: skip
+    return out
+
+
+def summary(rows: list[dict[str, Any]], launch_rows: list[dict[str, Any]],
+            part_rows: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
     lines = [
         "# Reading a step's flags on the host after an eager verification", "",
         "| requests | method | GPU gap us (p50 / p90) | read host us (p50) | step us | vs none |",
@@ -187,6 +273,12 @@ def summary(rows: list[dict[str, Any]], launch_rows: list[dict[str, Any]]) -> st
     for r in launch_rows:
         lines.append(f"| {r['what']} | {r['gpu']} | {r['host_us_p50']:.1f} | "
                      f"{r['host_us_p90']:.1f} |")  # fmt: skip
+    if part_rows:
+        lines += ["", "# The replayed call by part (GPU busy)", "",
+                  "| mix | rows | part | host us p50 | host us p90 |", "|---|---|---|---|---|"]  # fmt: skip
+        for r in part_rows:
+            lines.append(f"| {r['mix']} | {r['rows']} | {r['part']} | {r['host_us_p50']:.1f} | "
+                         f"{r['host_us_p90']:.1f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -196,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reqs", default="8,128")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--forward-us", type=float, default=750.0)
+    ap.add_argument("--part-rows", default="32,512", help="row counts of section 3")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -218,17 +311,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['read_host_us_p50']:6.1f} us  step {r['step_us']:7.1f} us "
                   f"({r['vs_none']:.3f}x)", flush=True)  # fmt: skip
     launch_rows = launches(forward)
+    part_rows = replay_parts(forward, [int(r) for r in args.part_rows.split(",")])
     out = args.out or Path("benchmarks/results") / (detect_arch() or "unknown") / "host_costs"
     out.mkdir(parents=True, exist_ok=True)
     for name, fields, data in (("flag_read.csv", FIELDS, rows),
-                               ("launches.csv", LAUNCH_FIELDS, launch_rows)):  # fmt: skip
+                               ("launches.csv", LAUNCH_FIELDS, launch_rows),
+                               ("replay_parts.csv", PART_FIELDS, part_rows)):  # fmt: skip
         with (out / name).open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
             for r in data:
                 w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
-    (out / "HOST_COSTS.md").write_text(summary(rows, launch_rows) + "\n")
-    print(summary(rows, launch_rows))
+    (out / "HOST_COSTS.md").write_text(summary(rows, launch_rows, part_rows) + "\n")
+    print(summary(rows, launch_rows, part_rows))
     return 0
 
 

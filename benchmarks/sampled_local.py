@@ -57,6 +57,8 @@ FIELDS = [
 ]  # fmt: skip
 METHODS = ("vllm_full", "vllm_cols", "one_pass", "two_phase", "one_pass_strict",
            "two_phase_strict", "greedy", "greedy_rows")  # fmt: skip
+PROFILED = ("one_pass", "two_phase", "greedy", "greedy_rows", "vllm_cols")
+"""Methods whose kernels the torch profile breaks down (per-kernel GPU us per call)."""
 K = 3
 
 
@@ -214,7 +216,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     row["host_us"] = round(_host_us(step, args.eager), 1)
                 out.append(row)
                 print(row, flush=True)
-                if name in ("one_pass", "two_phase", "greedy", "vllm_cols") and not args.no_profile:
+                if name in PROFILED and not args.no_profile:
                     for kname, us in _kernels(step).items():
                         out.append(dict(common, method=name, kernel=kname, p50_us=round(us, 2)))
             if not _agree(results["one_pass"], results["two_phase"]):

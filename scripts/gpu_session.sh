@@ -62,6 +62,8 @@
 #                                   replayed call and of a resolving top-p step)
 #   bash scripts/gpu_session.sh RA  one H200: the host read's, the graph sync and vLLM pipeline
 #                                   GPU tests, then the resolution GPU tests (resolve_apply)
+#   bash scripts/gpu_session.sh GR  one H200: the sampled record kernel's GPU tests, then one
+#                                   rank's sampled step with the tuned tables (no sweeps)
 #   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
 #                                   benchmark (after a change of the resolution's host path)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
@@ -490,7 +492,7 @@ HP)
   stamp "host costs"
   timeout "$(left 200)" python3 -m benchmarks.host_costs --out "$OUT/host_costs" \
     >"$OUT/host_costs_HP.log" 2>&1
-  echo "  rc=$?"; grep -E "^reqs=|GPU (idle|busy)|Error" "$OUT/host_costs_HP.log"
+  echo "  rc=$?"; grep -E "^reqs=|GPU (idle|busy)| rows=|Error" "$OUT/host_costs_HP.log"
   if [ -n "${PROFILE:-}" ]; then
     stamp "engine loop host profile"
     timeout "$(left 420)" python3 -m benchmarks.engine --steps 50 --rows 32,512 \
@@ -504,6 +506,25 @@ HP)
   fi
   tar -czf "$OUT/HP.tar.gz" -C "$OUT" host_costs engine topp_step 2>/dev/null
   rm -rf "$OUT/host_costs" "$OUT/engine" "$OUT/topp_step"
+  ;;
+GR)
+  # after a change of the sampled record kernel: its GPU tests (adversarial greedy rows, fast
+  # mode vs the reference, candidates, two-phase vs vLLM 0.33; every call twice, bit-compared),
+  # then one rank's sampled step with the tuned tables at TP 1/2/4/8 (benchmarks.sampled_local
+  # without sweeps) into $OUT/sampled_tuned
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "sampled record GPU tests"
+  timeout "$(left 330)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sampled_verify.py \
+    tests/test_two_phase.py "tests/test_gpu.py::test_sampled_verify_fast_mode_on_gpu" \
+    "tests/test_gpu.py::test_record_candidates_on_gpu" >"$OUT/sampled_GR.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED" "$OUT/sampled_GR.log" | tail -8
+  stamp "sampled step, tuned tables"
+  timeout "$(left 580)" python3 -m benchmarks.sampled_local --draw-sweep "" \
+    --out "$OUT/sampled_tuned" >"$OUT/sampled_local_GR.log" 2>&1
+  echo "  rc=$?"; grep -E "Error|DIFFER|!!" "$OUT/sampled_local_GR.log" | head -5
+  python3 -m benchmarks.sampled_local --plot "$OUT/sampled_tuned/sampled_local.csv" >/dev/null \
+    && sed -n '/## Targets/,/## Per-kernel/p' "$OUT/sampled_tuned/SAMPLED.md"
+  tar -czf "$OUT/GR.tar.gz" -C "$OUT" sampled_tuned 2>/dev/null
   ;;
 RA)
   # after a change of resolve_apply / the host read: the host read's GPU test, the resolution

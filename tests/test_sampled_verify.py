@@ -22,7 +22,8 @@ from shardmax.ops.sampled import FallbackReason
 from shardmax.reference.sampled import apply_temperature, verify_sampled
 from shardmax.runtime.gumbel import acceptance_uniform_triton
 from shardmax.runtime.variants import DTYPES
-from shardmax.testing import emulate_verify, random_verify_batch
+from shardmax.testing import adversarial, emulate_verify, random_verify_batch
+from tests._twice import twice
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TEMPS = (0.5, 0.7, 1.0, 1.3, 0.0)
@@ -77,6 +78,62 @@ def test_every_variant_mixed_batch(dtype: str, block: int) -> None:
     got, want = _run(batch, temps, tp, fp64=fp64, block=block)
     flagged = _assert_equal_unflagged(got, want, batch, temps, tp)
     assert flagged <= 1  # random rows essentially never sit at the threshold
+
+
+def _greedy_rows_case(
+    dtype: str, tp: int, splits: int, block: int, phases: int, vocab: int, device: str
+) -> None:
+    """Greedy requests of a sampled step (the record kernel's argmax lanes): every adversarial
+    row case (ties inside a block, at block, split and shard edges and across shards, -0.0 /
+    +0.0, NaN, +inf, all -inf rows; NaN / +inf / max padding columns) next to sampled requests,
+    drafts mostly the target argmax so each row's own argmax reaches the output: ``==`` the
+    greedy reference, never flagged; on a GPU every call twice, bit-compared."""
+    rows = 2 * len(adversarial.ADVERSARIAL_CASES)
+    logits = adversarial.adversarial_logits(
+        rows, vocab, dtype=TORCH_DTYPE[dtype], seed=tp + splits, tp_size=tp, block=block,
+        device=device,
+    )  # fmt: skip
+    batch = adversarial.random_verify_batch(
+        rows // 4, 3, vocab, seed=tp, logits=logits, accept_prob=0.9, placeholder_prob=0.0,
+        prefill_prob=0.0, device=device,
+    )  # fmt: skip
+    temps = torch.zeros(batch.max_num_reqs, device=device)
+    temps[batch.idx_mapping.long()[1::3]] = 0.7  # every third request sampled
+    a = batch.args()
+    kw = batch.kwargs()
+    got = twice(
+        emulate_verify, batch.logits, tp, *a[:5], temps, *a[5:], record_block=block,
+        record_splits=splits, phases=phases, **kw,
+    )  # fmt: skip
+    greedy = temps[batch.idx_mapping.long()] == 0
+    want = reference.greedy_verify(batch.logits, *a, **kw)
+    assert not bool(got.fallback[greedy].any())
+    for name, g, w in zip(("sampled", "num_sampled", "num_rejected"), got[:3], want, strict=True):
+        assert torch.equal(g[greedy], w[greedy]), f"{name}:\n got {g[greedy]}\nwant {w[greedy]}"
+    cu = batch.cu_num_logits.long()
+    used, rows_of = want[1][greedy].sum(), (cu[1:] - cu[:-1])[greedy].sum()
+    assert 2 * int(used) >= int(rows_of)  # most greedy rows' own argmax reaches the output
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tp", "splits", "block", "phases"),
+    [("bf16", 3, 3, 1024, 2), ("fp16", 2, 1, 2048, 1), ("fp32", 4, 2, 1024, 2),
+     ("bf16", 1, 4, 1024, 1)],
+)  # fmt: skip
+def test_greedy_rows_adversarial(dtype: str, tp: int, splits: int, block: int, phases: int) -> None:
+    _greedy_rows_case(dtype, tp, splits, block, phases, 5003, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dtype", "tp", "splits", "block", "vocab"),
+    [("bf16", 2, 16, 4096, 151936), ("bf16", 3, 2, 2048, 128256), ("fp16", 8, 4, 1024, 200064),
+     ("fp32", 1, 4, 2048, 50257), ("bf16", 4, 1, 1024, 262144)],
+)  # fmt: skip
+def test_greedy_rows_adversarial_on_gpu(
+    dtype: str, tp: int, splits: int, block: int, vocab: int
+) -> None:
+    _greedy_rows_case(dtype, tp, splits, block, 2, vocab, "cuda")
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4, 8])
