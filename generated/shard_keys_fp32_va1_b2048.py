@@ -50,18 +50,43 @@ def to_f32(x):
 
 
 @triton.jit
-def load_block(row_ptr, start, c1, BLOCK: tl.constexpr):
-    """Columns ``[start, start + BLOCK)`` of one row as exact fp32, ``-inf`` at and past ``c1``.
-    ``start`` must be a multiple of 16 (every split starts at a multiple of the block): a full
-    block is loaded unmasked from a 16-aligned column (vector loads where the row pointer is known
-    to be aligned), only the tail block is masked."""
+def segment(row_ptr, c0):
+    """Pointer to column ``c0`` of a row: a split's first column, a multiple of the block (or the
+    row's end, where the split loads nothing). With :func:`row_offset`'s ``ALIGNED`` and a
+    16-byte-aligned base, whole tiles counted from here load as 16-byte vectors. (Triton keeps
+    a multiple-of hint on the op that computes a value: here the cast; one on an argument of a
+    @jit function, a loop variable or a scalar stride is lost.) ``c0``: int32."""
+    return row_ptr + tl.multiple_of(c0.to(tl.int64), 16)
+
+
+@triton.jit
+def load_block(seg_ptr, off, n, BLOCK: tl.constexpr):
+    """Columns ``[off, off + BLOCK)`` of a segment of ``n`` columns (``seg_ptr``:
+    :func:`segment`) as exact fp32, ``-inf`` at and past ``n``. ``off`` counts whole blocks from
+    0 (a loop ``range(0, n, BLOCK)``, which the compiler knows to be a multiple of the block): a
+    full block is loaded unmasked (vector loads where the segment is aligned), only the tail
+    block is masked."""
     lanes = tl.arange(0, BLOCK)
-    if start + BLOCK <= c1:
-        raw = to_f32(tl.load(row_ptr + tl.multiple_of(start, 16) + lanes))
+    if off + BLOCK <= n:
+        raw = to_f32(tl.load(seg_ptr + off + lanes))
     else:
-        cols = start + lanes
-        raw = to_f32(tl.load(row_ptr + cols, mask=cols < c1, other=float("-inf")))
+        cols = off + lanes
+        raw = to_f32(tl.load(seg_ptr + cols, mask=cols < n, other=float("-inf")))
     return raw
+
+
+@triton.jit
+def row_offset(row, stride_row, ALIGNED: tl.constexpr):
+    """Element offset (int64) of logits row ``row`` in a kernel whose row stride is
+    unspecialised (one compiled kernel for every stride, so a warmed-up plan captures without
+    compiling). ``ALIGNED``: the host checked ``stride_row % 16 == 0``, so the offset is a
+    multiple of 16 and whole 16-aligned tiles of a row of a 16-byte-aligned base (Triton's
+    pointer specialisation, or the INDIRECT hint) load as 16-byte vectors. (The hint must sit on
+    the offset: on the scalar stride it does not reach the loads.)"""
+    off = row.to(tl.int64) * stride_row
+    if ALIGNED:
+        off = tl.multiple_of(off, 16)
+    return off
 
 
 EMPTY_KEY = tl.constexpr(-9223372036854775807 - 1)  # below every real key, (-inf, id) included

@@ -62,8 +62,9 @@
 #                                   replayed call and of a resolving top-p step)
 #   bash scripts/gpu_session.sh RA  one H200: the host read's, the graph sync and vLLM pipeline
 #                                   GPU tests, then the resolution GPU tests (resolve_apply)
-#   bash scripts/gpu_session.sh GR  one H200: the sampled record kernel's GPU tests, then one
-#                                   rank's sampled step with the tuned tables (no sweeps)
+#   bash scripts/gpu_session.sh GR  one H200: the sampled record and draw kernels' GPU tests
+#                                   (histogram top-p included), then one rank's sampled step
+#                                   with the tuned tables (no sweeps)
 #   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
 #                                   benchmark (after a change of the resolution's host path)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
@@ -508,18 +509,23 @@ HP)
   rm -rf "$OUT/host_costs" "$OUT/engine" "$OUT/topp_step"
   ;;
 GR)
-  # after a change of the sampled record kernel: its GPU tests (adversarial greedy rows, fast
-  # mode vs the reference, candidates, two-phase vs vLLM 0.33; every call twice, bit-compared),
-  # then one rank's sampled step with the tuned tables at TP 1/2/4/8 (benchmarks.sampled_local
-  # without sweeps) into $OUT/sampled_tuned
+  # after a change of the sampled record / draw kernels: their GPU tests (adversarial greedy
+  # rows, fast mode vs the reference with and without candidates, two-phase vs vLLM 0.33, the
+  # level-histogram top-p steps vs vLLM's chains; every call twice, bit-compared), then one
+  # rank's sampled step with the tuned tables at TP 1/2/4/8 (benchmarks.sampled_local without
+  # sweeps) into $OUT/sampled_tuned
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
-  stamp "sampled record GPU tests"
-  timeout "$(left 330)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sampled_verify.py \
-    tests/test_two_phase.py "tests/test_gpu.py::test_sampled_verify_fast_mode_on_gpu" \
-    "tests/test_gpu.py::test_record_candidates_on_gpu" >"$OUT/sampled_GR.log" 2>&1
+  stamp "sampled record / draw GPU tests"
+  timeout "$(left 200)" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
+    tests/test_sampled_verify.py tests/test_two_phase.py \
+    "tests/test_gpu.py::test_sampled_verify_fast_mode_on_gpu" >"$OUT/sampled_GR.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED" "$OUT/sampled_GR.log" | tail -8
+  stamp "histogram top-p vs vLLM's chains (every call twice)"
+  SHARDMAX_TOPP_GPU_SEEDS=${TOPP_SEEDS:-1} timeout "$(left 300)" python3 -m pytest -m gpu -q -s \
+    -p no:cacheprovider -rf --tb=short tests/test_topp_verify.py >"$OUT/topp_verify_GR.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/topp_verify_GR.log" | tail -6
   stamp "sampled step, tuned tables"
-  timeout "$(left 580)" python3 -m benchmarks.sampled_local --draw-sweep "" \
+  timeout "$(left 380)" python3 -m benchmarks.sampled_local --draw-sweep "" \
     --out "$OUT/sampled_tuned" >"$OUT/sampled_local_GR.log" 2>&1
   echo "  rc=$?"; grep -E "Error|DIFFER|!!" "$OUT/sampled_local_GR.log" | head -5
   python3 -m benchmarks.sampled_local --plot "$OUT/sampled_tuned/sampled_local.csv" >/dev/null \

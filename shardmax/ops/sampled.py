@@ -487,6 +487,7 @@ def sampled_records(
     buf: torch.Tensor,
     scratch: torch.Tensor | None,
     two_phase: bool = False,
+    best: torch.Tensor | None = None,
 ) -> None:
     """Local stage: ``[rows, W]`` logits -> one rank's records into the flat int64 ``buf``:
     ``[splits * rows, 3 | 4]`` records (split-major: record ``j * rows + r`` covers split ``j``
@@ -494,7 +495,9 @@ def sampled_records(
     processed value) followed by ``[splits * rows, C]`` candidates: each split's exact top-``C``
     packed keys of ``x``. ``scratch``: ``[splits * rows, 4 C]`` int64 workspace of the
     selection (candidate steps). ``two_phase``: phase 1 of a two-phase step (records without
-    the Gumbel key, :class:`RecordLaunch`)."""
+    the Gumbel key, :class:`RecordLaunch`); ``best``: its int64 ``[rows * slots]`` slots (1 or 2
+    per row) that a combining draw (:func:`draw_keys`) takes its atomic max into, cleared to
+    ``EMPTY_KEY`` here."""
     rows = local_logits.shape[0]
     if rows == 0:
         return
@@ -510,6 +513,7 @@ def sampled_records(
         buf,
         buf[n_rec:] if with_candidates else buf,
         scratch if scratch is not None else buf,
+        best if best is not None else buf,
         params.temperature,
         params.seed,
         params.pos,
@@ -527,6 +531,8 @@ def sampled_records(
         NETWORK=sorting_network(local_logits.device),
         NOISE=not two_phase,
         INDIRECT=indirect,
+        ALIGNED=local_logits.stride(0) % 16 == 0,
+        BEST_SLOTS=best.numel() // rows if best is not None else 0,
         num_warps=launch.num_warps,
     )
 
@@ -689,13 +695,17 @@ def draw_keys(
     use_fp64_gumbel: bool,
     keys: torch.Tensor,
     kept: torch.Tensor | None = None,
+    combine: bool = False,
 ) -> None:
     """Phase 2 of a two-phase step on one rank: for each request ``r`` of ``draw`` (int32
     ``[2 * num_reqs]``, :func:`sampled_finish`'s) the Gumbel keys of its drawing row over this
     rank's columns, ``launch.splits`` programs per request, into the flat int64 ``keys``
     (``[splits * num_reqs, 1 | 2]``, split-major; with ``kept``, int32 ``[num_logits, 10]``
     top-p kept sets, the draw is masked to them and each slot doubles: ``[.., 2 | 4]``, the
-    unsure boundary ties' best key second). One ``sampled_draw_*`` launch."""
+    unsure boundary ties' best key second). ``combine`` (fp32 keys): every split's key goes
+    into its request's slot by an atomic max instead -- ``keys`` then holds ``[num_reqs, 1 |
+    2]``, cleared to ``EMPTY_KEY`` by the step's phase 1 (:func:`sampled_records`' ``best``). One
+    ``sampled_draw_*`` launch."""
     num_reqs = draw.numel() // 2
     if num_reqs == 0:
         return
@@ -720,6 +730,8 @@ def draw_keys(
         FP64=use_fp64_gumbel,
         INDIRECT=indirect,
         KEPT=kept is not None,
+        ALIGNED=local_logits.stride(0) % 16 == 0,
+        COMBINE=combine,
         num_warps=launch.num_warps,
     )
 
@@ -920,6 +932,7 @@ class SampledVerifyPlan:
             ws.reserve("sampled.draw", 4 * 2 * rows)
             slot = (1 + self.use_fp64_gumbel) * (2 if self.topp is not None else 1)
             ws.reserve("sampled.keys", 8 * MAX_DRAW_SPLITS * rows * slot)
+            ws.reserve("sampled.best", 8 * rows * slot)
         if self.topp is not None:
             ts = self.topp_splits
             ws.reserve("topp.scratch", 4 * ts * rows * topp_mod.RECORD_WORDS)
@@ -1011,6 +1024,7 @@ class SampledVerifyPlan:
         sampled_records(
             logits, ctx.vocab_start, ctx.num_valid, params, self.launch, self.use_fp64_gumbel,
             self.with_candidates, buf, scratch, self.two_phase,
+            self._best() if self.two_phase and not self.use_fp64_gumbel else None,
         )  # fmt: skip
         if self.strict is not None:
             extra = self.strict.extras_words
@@ -1158,24 +1172,33 @@ class SampledVerifyPlan:
         ctx, reqs = self.ctx, batch.num_reqs
         launch = self.draw_launch(reqs)
         ms = (1 + self.use_fp64_gumbel) * (2 if self.topp is not None else 1)
-        keys = self._sliced(
-            "sampled.keys", (MAX_DRAW_SPLITS * self.num_logits * ms,), torch.int64,
-            launch.splits * reqs * ms,
-        )  # fmt: skip
+        # packed fp32 keys order as (noised value desc, id asc) in one int64 (each slot: the
+        # best key, and with kept sets the unsure boundary ties' best): the max over this
+        # rank's splits is what the pick's max over every part takes from them, so the draw
+        # combines them (atomic max into the slots phase 1 cleared) and only it is sent
+        combine = not self.use_fp64_gumbel
+        if combine:
+            keys = self._sliced("sampled.best", (self.num_logits * ms,), torch.int64, reqs * ms)
+        else:
+            keys = self._sliced(
+                "sampled.keys", (MAX_DRAW_SPLITS * self.num_logits * ms,), torch.int64,
+                launch.splits * reqs * ms,
+            )  # fmt: skip
         params = RowParams(*self._row_buffers(), batch.pos)
         draw_keys(
             local_logits, ctx.vocab_start, ctx.num_valid, params,
             self.draw_rows(reqs) if draw is None else draw, launch, self.use_fp64_gumbel, keys,
             (self.kept_sets() if kept is None else kept) if self.topp is not None else None,
+            combine,
         )  # fmt: skip
-        if self.sent_draw_splits(reqs) == launch.splits:
-            return keys.view(1, -1)
-        # packed keys order as (noised value desc, id asc) in one int64 (each slot: the best
-        # key, and with kept sets the unsure boundary ties' best): the max over this rank's
-        # splits is what the pick's max over every part takes from them, so only it is sent
-        best = self._sliced("sampled.keys1", (self.num_logits * ms,), torch.int64, reqs * ms)
-        torch.amax(keys.view(launch.splits, reqs * ms), dim=0, out=best)
-        return best.view(1, -1)
+        return keys.view(1, -1)
+
+    def _best(self) -> torch.Tensor:
+        """fp32-key two-phase plans: the int64 ``[num_logits * slots]`` slots phase 1 clears and
+        the draw combines its splits' keys into (1 slot per row, 2 with kept sets), a workspace
+        view."""
+        ms = 2 if self.topp is not None else 1
+        return self._view("sampled.best", (self.num_logits * ms,), torch.int64)
 
     def sent_draw_splits(self, num_reqs: int) -> int:
         """Draw splits per request in what each rank sends in the draw exchange: 1 when the rank
