@@ -5,9 +5,9 @@ matters where the runtime can launch the variant on that arch. :func:`selectable
 every local-stage variant a row of the arch's tables names, adapted to every dtype (and, for the
 greedy local stage, both alignments) as the dispatcher adapts it, the two-phase draw kernel at
 its built-in block, and every finish / merge / strict kernel (the runtime picks those by TP and
-mode, never by table); and, as ``<name>[phase1]``, the record kernel's phase-1 constexpr set at
-every block a ``sampled`` row's ``launch["phase1"]`` names (compiled by the AOT report from the
-module's ``CONFIGS``). ``generator --check --arch ...`` fails on a spill in that set that
+mode, never by table); and, as ``<name>[phase1]`` / ``<name>[phase1_topp]``, the record
+kernel's phase-1 constexpr sets at every block a ``sampled`` row's ``launch["phase1"]`` names
+(compiled by the AOT report from the module's ``CONFIGS``). ``generator --check --arch ...`` fails on a spill in that set that
 :data:`KNOWN_SPILLS` does not list -- a new one -- and says which known ones went away.
 """
 
@@ -32,8 +32,9 @@ into VGPR lanes, no memory traffic, which the report counted as bytes; they are
 
 
 PHASE1 = "phase1"
-"""The record kernel's phase-1 constexpr set (``CONFIGS`` of ``sampled_record_*``): a table
-row's ``launch["phase1"]`` block launches it; its spills are reported as ``<name>[phase1]``."""
+"""The record kernel's phase-1 constexpr sets (``CONFIGS`` of ``sampled_record_*`` named
+``phase1*``: a plain and a level-histogram top-p step's): a table row's ``launch["phase1"]``
+block launches them; their spills are reported as ``<name>[phase1]`` / ``<name>[phase1_topp]``."""
 
 
 def selectable_phase1(out: Path, arch: str, variants: list[str]) -> set[str]:
@@ -86,7 +87,12 @@ def spill_report(out: Path, arch: str, record: dict[str, Any]) -> tuple[list[str
         for cname, c in r.get("configs", {}).items():
             spills[f"{n}[{cname}]"] = int(c["spill_bytes"])
     chosen = selectable(out, arch, list(per))
-    chosen |= {f"{n}[{PHASE1}]" for n in selectable_phase1(out, arch, list(per))}
+    chosen |= {
+        f"{n}[{cname}]"
+        for n in selectable_phase1(out, arch, list(per))
+        for cname in per[n].get("configs", {})
+        if cname.startswith(PHASE1)
+    }
     spilling = {n for n in chosen if spills.get(n, 0) > 0}
     new = [f"{n}: {spills[n]} bytes" for n in sorted(spilling - set(known))]
     gone = sorted(n for n in known if n in spills and spills[n] == 0)

@@ -104,10 +104,12 @@ def test_spill_report_names_new_spills_of_selectable_variants(tmp_path) -> None:
     # a phase1 launch selects its block's phase-1 constexpr set (reported under "configs")
     row["launch"] = {"phase1": {"block": 4096, "splits": 2, "num_warps": 4}}
     (tmp_path / "sm90" / "sampled.json").write_text(json.dumps({"rows": [row]}))
-    p1 = {"spill_bytes": 0, "configs": {"phase1": {"spill_bytes": 6}}}
+    p1 = {"spill_bytes": 0, "configs": {"phase1": {"spill_bytes": 6},
+                                         "phase1_topp": {"spill_bytes": 10}}}  # fmt: skip
     rec["variants"]["sampled_record_fp16_b4096"] = p1
     new, _ = spill_report(tmp_path, "sm90", rec)
     assert "sampled_record_fp16_b4096[phase1]: 6 bytes" in new
+    assert "sampled_record_fp16_b4096[phase1_topp]: 10 bytes" in new  # top-p steps' phase 1
     assert "sampled_record_bf16_b4096: 2260 bytes" not in new  # its default set: not selected
     known = "sampled_finish_tp4_allgather"
     (tmp_path / "gfx950").mkdir()

@@ -84,7 +84,7 @@ def _greedy_rows_case(
     dtype: str, tp: int, splits: int, block: int, phases: int, vocab: int, device: str
 ) -> None:
     """Greedy requests of a sampled step (the record kernel's argmax lanes): every adversarial
-    row case (ties inside a block, at block, split and shard edges and across shards, -0.0 /
+    row case (ties inside a block, at block and shard edges and across shards, -0.0 /
     +0.0, NaN, +inf, all -inf rows; NaN / +inf / max padding columns) next to sampled requests,
     drafts mostly the target argmax so each row's own argmax reaches the output: ``==`` the
     greedy reference, never flagged; on a GPU every call twice, bit-compared."""

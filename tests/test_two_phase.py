@@ -216,6 +216,17 @@ def test_stage_api_errors() -> None:
         sel = dispatch.select(dispatch.Problem("sampled", "fp32", 1, 4, 300))
         assert sel.phases == 1 and RecordLaunch.of(sel).phases == 1
     assert dispatch.select(dispatch.Problem("sampled", "fp32", 1, 4, 300)).phases == 2
+    # phase 1 clears one or two int64 draw slots per logits row: another size is refused (the
+    # draw would combine into slots nobody cleared)
+    from shardmax.ops.sampled import row_params, sampled_records
+
+    plan = _plan(2, rows)
+    buf = torch.empty(plan.n_words, dtype=torch.int64)
+    for bad in (torch.empty(rows - 1, dtype=torch.int64), torch.empty(3 * rows, dtype=torch.int64),
+                torch.empty(rows, dtype=torch.int32)):  # fmt: skip
+        with pytest.raises(ValueError, match="best"):
+            sampled_records(batch.logits, 0, 300, row_params(step), plan.launch, False, False,
+                            buf, None, True, bad)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

@@ -501,6 +501,14 @@ def sampled_records(
     rows = local_logits.shape[0]
     if rows == 0:
         return
+    slots = 0
+    if best is not None:
+        slots = best.numel() // rows
+        if slots not in (1, 2) or best.numel() != rows * slots or best.dtype != torch.int64:
+            raise ValueError(
+                f"best: expected int64 [{rows} * 1 | 2] (a slot or two per logits row), got "
+                f"{best.dtype} of {best.numel()} elements"
+            )
     k = kernels.kernel(launch.variant)
     kernels.check_device(local_logits)
     splits, c = launch.splits, launch.candidates
@@ -531,8 +539,8 @@ def sampled_records(
         NETWORK=sorting_network(local_logits.device),
         NOISE=not two_phase,
         INDIRECT=indirect,
-        ALIGNED=local_logits.stride(0) % 16 == 0,
-        BEST_SLOTS=best.numel() // rows if best is not None else 0,
+        ALIGNED=rows == 1 or local_logits.stride(0) % 16 == 0,  # one row: offset 0
+        BEST_SLOTS=slots,
         num_warps=launch.num_warps,
     )
 
@@ -730,7 +738,7 @@ def draw_keys(
         FP64=use_fp64_gumbel,
         INDIRECT=indirect,
         KEPT=kept is not None,
-        ALIGNED=local_logits.stride(0) % 16 == 0,
+        ALIGNED=local_logits.shape[0] == 1 or local_logits.stride(0) % 16 == 0,
         COMBINE=combine,
         num_warps=launch.num_warps,
     )
@@ -931,8 +939,10 @@ class SampledVerifyPlan:
         if self.two_phase:
             ws.reserve("sampled.draw", 4 * 2 * rows)
             slot = (1 + self.use_fp64_gumbel) * (2 if self.topp is not None else 1)
-            ws.reserve("sampled.keys", 8 * MAX_DRAW_SPLITS * rows * slot)
-            ws.reserve("sampled.best", 8 * rows * slot)
+            if self.use_fp64_gumbel:  # every draw split's (key, id) pairs are sent
+                ws.reserve("sampled.keys", 8 * MAX_DRAW_SPLITS * rows * slot)
+            else:  # the splits' keys combined in place: one slot per row (two with kept sets)
+                ws.reserve("sampled.best", 8 * rows * slot)
         if self.topp is not None:
             ts = self.topp_splits
             ws.reserve("topp.scratch", 4 * ts * rows * topp_mod.RECORD_WORDS)
@@ -1156,7 +1166,10 @@ class SampledVerifyPlan:
         keys of every request's drawing row over this rank's columns, ``n`` the same on every
         rank. ``draw``: the finish's draw buffer (default this plan's own, :meth:`draw_rows`);
         ``kept`` (``topp`` plans): the finish's kept sets (default this plan's, :meth:`kept_sets`).
-        Reads the row parameters :meth:`local` wrote. A workspace view, like :meth:`local`'s."""
+        Reads the row parameters :meth:`local` wrote. A workspace view, like :meth:`local`'s.
+        Call it once per :meth:`local`: with fp32 keys the draw takes an atomic max into the slots
+        :meth:`local` cleared, so a second draw of the same step would combine with the first's
+        keys."""
         if not self.two_phase:
             raise ValueError("draw: this plan runs one pass (launch.phases == 1 or candidates)")
         logits = self.ctx.check_logits(local_logits, self.num_logits, self.row_stride)
