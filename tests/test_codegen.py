@@ -14,11 +14,7 @@ specialisation) -- with the Triton installed here (the H200 image runs 3.6).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from tests._aot import run_compiled
 
 CASES = [
     ("sampled_record_bf16_b2048", {"TOPK": False, "NOISE": False, "BEST_SLOTS": 1}),
@@ -58,14 +54,7 @@ print(json.dumps(out))
 def test_aligned_rows_load_whole_tiles_as_vectors() -> None:
     """Every case compiles to 16-byte vector loads with ``ALIGNED`` and to none without (a
     subprocess: the AOT compiler needs Triton without the interpreter)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(CASES)], capture_output=True, text=True,
-        env=env, cwd=root, timeout=600, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    loads = json.loads(done.stdout.strip().splitlines()[-1])
+    loads = run_compiled(_SCRIPT, CASES)
     assert len(loads) == 2 * len(CASES)
     for key, n in loads.items():
         assert (n > 0) == key.endswith("aligned=True"), (key, n)

@@ -331,10 +331,7 @@ def test_indirect_launches_compile_ahead_of_time_without_spills() -> None:
     """The INDIRECT constexpr sets (not in the AOT report: one more load than the direct sets)
     compile for sm90 and gfx950 and spill no more than the direct sets, at the widest tile each
     family runs (a subprocess: the AOT compiler needs Triton without the interpreter)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests._aot import run_compiled
 
     cases = [
         ("shard_keys_bf16_va16_b8192", {"INDIRECT": True}),
@@ -342,14 +339,7 @@ def test_indirect_launches_compile_ahead_of_time_without_spills() -> None:
         ("sampled_record_fp32_b2048", {"INDIRECT": True}),
         ("sampled_draw_bf16_b4096", {"INDIRECT": True}),
     ]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
-        env=env, cwd=root, timeout=600, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    spills = json.loads(done.stdout.strip().splitlines()[-1])
+    spills = run_compiled(_AOT_SCRIPT, cases)
     assert len(spills) == 2 * len(cases)
     for key, (direct, indirect) in spills.items():
         assert indirect <= direct, (key, direct, indirect)
