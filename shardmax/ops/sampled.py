@@ -476,6 +476,12 @@ def row_params(batch: StepBatch, out: tuple[torch.Tensor, ...] | None = None) ->
     return res
 
 
+def rows_aligned(logits: torch.Tensor) -> bool:
+    """The record and draw kernels' ``ALIGNED``: every row of ``logits`` starts 16 elements
+    apart (``stride % 16 == 0``; one row: its offset is 0), so whole tiles load as vectors."""
+    return logits.shape[0] == 1 or logits.stride(0) % 16 == 0
+
+
 def sampled_records(
     local_logits: torch.Tensor,
     vocab_start: int,
@@ -539,7 +545,7 @@ def sampled_records(
         NETWORK=sorting_network(local_logits.device),
         NOISE=not two_phase,
         INDIRECT=indirect,
-        ALIGNED=rows == 1 or local_logits.stride(0) % 16 == 0,  # one row: offset 0
+        ALIGNED=rows_aligned(local_logits),
         BEST_SLOTS=slots,
         num_warps=launch.num_warps,
     )
@@ -738,7 +744,7 @@ def draw_keys(
         FP64=use_fp64_gumbel,
         INDIRECT=indirect,
         KEPT=kept is not None,
-        ALIGNED=local_logits.shape[0] == 1 or local_logits.stride(0) % 16 == 0,
+        ALIGNED=rows_aligned(local_logits),
         COMBINE=combine,
         num_warps=launch.num_warps,
     )
