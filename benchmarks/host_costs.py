@@ -32,9 +32,11 @@ shardmax's launcher): what a step's launches and replays cost the host.
 graph) on realistic traffic (V = 200064, bf16, K = 3), whole and part by part, each part timed
 alone behind the stand-in forward: the step's host checks (``check_step_batch``), the shard's
 cached plan and its graphed step, :class:`~shardmax.runtime.graphs.GraphedStep`'s own checks
-(logits, alignment, batch signature), the output allocations, the argument table (written,
-then copied to the device) and the graph replay. ``sum of parts`` against ``whole`` shows what
-is left in the glue between them.
+(logits, alignment, batch signature), finding a free output slot, the argument table's input
+entries (written, then copied to the device) and the slot's graph replay. ``sum of parts``
+against ``whole`` shows what is left in the glue between them. One more row, not part of the
+call, times what a step whose slots are all held pays instead of the slot lookup: allocating
+its outputs (then the copy-out graph replays).
 
 Needs a GPU.
 
@@ -182,8 +184,10 @@ def launches(forward: Any) -> list[dict[str, Any]]:
 
 
 PART_FIELDS = ["mix", "rows", "part", "host_us_p50", "host_us_p90"]
-PARTS = ("check_step_batch", "plan + graphed lookup", "GraphedStep checks", "output allocations",
-         "argument table (write + copy)", "graph replay", "sum of parts", "whole call")  # fmt: skip
+PARTS = ("check_step_batch", "plan + graphed lookup", "GraphedStep checks", "free slot lookup",
+         "argument table (write + copy)", "graph replay", "sum of parts", "whole call",
+         "output allocations (slots held)")  # fmt: skip
+NOT_IN_CALL = ("whole call", "output allocations (slots held)")
 
 
 def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> list[dict[str, Any]]:
@@ -216,7 +220,7 @@ def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> lis
             plan = shard.greedy_verify(n) if mix == "greedy" else shard.verify(n)
             graphed = shard.graphed(plan)
             captured = graphed._graphs[batch_signature(batch)]  # this batch's captured step
-            held = [torch.empty_like(o) for o in captured.outputs]  # alive while replayed
+            slot = captured.slots[0]  # the slot every call of this loop gets (none is held)
 
             def lookup(shard: Any = shard, n: int = n, mix: str = mix) -> Any:
                 p = shard.greedy_verify(n) if mix == "greedy" else shard.verify(n)
@@ -227,25 +231,27 @@ def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> lis
                 plan.ctx.check_logits(logits, plan.num_logits, plan.row_stride)
                 return logits.data_ptr() % 16, graphed._graphs.get(batch_signature(batch))
 
-            def table(c: Any = captured, batch: Any = batch, held: Any = held,
-                      logits: Any = logits) -> None:  # fmt: skip
-                c._fill(logits, batch, held)
+            def table(c: Any = captured, batch: Any = batch, logits: Any = logits) -> None:
+                c._fill(logits, batch, ())  # a slot's graph writes its own outputs
                 c._upload()
 
             calls = {
                 "check_step_batch": check,
                 "plan + graphed lookup": lookup,
                 "GraphedStep checks": own_checks,
-                "output allocations": lambda c=captured: [torch.empty_like(o) for o in c.outputs],
+                "free slot lookup": lambda c=captured: next(s for s in c.slots if s.free()),
                 "argument table (write + copy)": table,
-                "graph replay": captured.graph.replay,
+                "graph replay": slot.graph.replay,
                 "whole call": step,
+                "output allocations (slots held)": lambda c=captured: [
+                    torch.empty_like(o) for o in c.outputs
+                ],
             }
             got = {}
             for part, call in calls.items():
                 times = _host_us(call, forward.replay)
                 got[part] = (statistics.median(times), times[int(0.9 * (len(times) - 1))])
-            parts = [v for k, v in got.items() if k != "whole call"]
+            parts = [v for k, v in got.items() if k not in NOT_IN_CALL]
             got["sum of parts"] = (sum(p[0] for p in parts), sum(p[1] for p in parts))
             for part in PARTS:
                 p50, p90 = got[part]

@@ -65,6 +65,12 @@
 #   bash scripts/gpu_session.sh GR  one H200: the sampled record and draw kernels' GPU tests
 #                                   (histogram top-p included), then one rank's sampled step
 #                                   with the tuned tables (no sweeps)
+#   bash scripts/gpu_session.sh SL  one H200: the graph GPU tests (output slots), the host costs
+#                                   of the replayed call by part, the engine-faithful loop, then
+#                                   the phase-1 sweep of one rank's sampled step (for tuner
+#                                   --phases-from) into $OUT/sampled_sweep
+#   bash scripts/gpu_session.sh SLT one H200: every graph GPU test, then stage GR's sampled step
+#                                   with the tuned tables (after tuner --phases-from)
 #   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
 #                                   benchmark (after a change of the resolution's host path)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
@@ -531,6 +537,41 @@ GR)
   python3 -m benchmarks.sampled_local --plot "$OUT/sampled_tuned/sampled_local.csv" >/dev/null \
     && sed -n '/## Targets/,/## Per-kernel/p' "$OUT/sampled_tuned/SAMPLED.md"
   tar -czf "$OUT/GR.tar.gz" -C "$OUT" sampled_tuned 2>/dev/null
+  ;;
+SL)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "graph GPU tests (output slots, replay == launches, no host sync)"
+  timeout "$(left 110)" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
+    tests/test_graphs.py >"$OUT/graphs_SL.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/graphs_SL.log" | tail -8
+  stamp "host costs"
+  timeout "$(left 170)" python3 -m benchmarks.host_costs --out "$OUT/host_costs" \
+    >"$OUT/host_costs_SL.log" 2>&1
+  echo "  rc=$?"; grep -E " rows=|Error" "$OUT/host_costs_SL.log"
+  stamp "engine-faithful loop"
+  timeout "$(left 300)" python3 -m benchmarks.engine --steps 100 --out "$OUT/engine" \
+    >"$OUT/engine_SL.log" 2>&1
+  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) |Error" "$OUT/engine_SL.log" | head -40
+  stamp "phase-1 sweep"
+  timeout "$(left 585)" python3 -m benchmarks.sampled_local --draw-sweep "" --eager 50 \
+    --phase1-sweep "${SWEEP:-1024,2048,4096:2,4,8,16,32:4,8}" --out "$OUT/sampled_sweep" \
+    >"$OUT/sampled_sweep_SL.log" 2>&1
+  echo "  rc=$?"; grep -E "Error|DIFFER|!!" "$OUT/sampled_sweep_SL.log" | head -5
+  tar -czf "$OUT/SL.tar.gz" -C "$OUT" host_costs engine sampled_sweep 2>/dev/null
+  rm -rf "$OUT/host_costs" "$OUT/engine" "$OUT/sampled_sweep"
+  ;;
+SLT)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "graph GPU tests"
+  timeout "$(left 420)" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=8 \
+    tests/test_graphs.py >"$OUT/graphs_SLT.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E |s call" "$OUT/graphs_SLT.log" | tail -14
+  stamp "sampled step, tuned tables"
+  timeout "$(left 585)" python3 -m benchmarks.sampled_local --draw-sweep "" --eager 50 \
+    --out "$OUT/sampled_tuned" >"$OUT/sampled_local_SLT.log" 2>&1
+  echo "  rc=$?"; grep -E "Error|DIFFER|!!" "$OUT/sampled_local_SLT.log" | head -5
+  tar -czf "$OUT/SLT.tar.gz" -C "$OUT" sampled_tuned 2>/dev/null
+  rm -rf "$OUT/sampled_tuned"
   ;;
 RA)
   # after a change of resolve_apply / the host read: the host read's GPU test, the resolution

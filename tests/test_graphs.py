@@ -1,15 +1,17 @@
 """CUDA-graph replay of verification plans (:mod:`shardmax.runtime.graphs`, issue 19).
 
 CPU (the Triton interpreter): everything but the capture -- the argument table, the byte copies
-of ``table_copy``, the INDIRECT launches of the logits-reading kernels, the outputs copied into
-fresh tensors -- on greedy, temperature and top-p steps whose logits and batch tensors are new
+of ``table_copy``, the INDIRECT launches of the logits-reading kernels, the output slots (held
+outputs never rewritten, released ones handed out again) and the outputs copied into fresh
+tensors -- on greedy, temperature and top-p steps whose logits and batch tensors are new
 tensors every step; results ``==`` the plan's own ``run`` on the same inputs, bit for bit.
 Fallbacks (a logits address that is not 16-byte aligned, a step inside someone else's capture),
 refusals (the plain path, another shard's plan), the per-signature cache. Plans whose kernels
 read the logits directly (strict mode, level-histogram top-p) replay on a static copy of them.
 
 GPU (marked ``gpu``): the real capture and replay, each step == the eager launches bit for bit
-and every replay twice; no host sync on replayed steps; a workspace that grows after a capture;
+and every replay twice; held outputs never rewritten by later replays; no host sync on
+replayed steps; a workspace that grows after a capture;
 an NCCL group (one rank) whose all_gather is captured inside the graph; emulated TP 2 / 8 (the
 other ranks' bytes replayed), where the graphs are split at the collectives, which run eagerly
 between the replays.
@@ -202,6 +204,52 @@ def test_plans_that_cannot_be_replayed_are_refused() -> None:
         shard.graphed(other.greedy_verify(rows))
 
 
+def _slot_steps(mix: str, vocab: int, device: str) -> None:
+    """Outputs held as a tensor, a view or the returned tuple are never rewritten by later steps
+    (whose logits differ); released slots are handed out again; with every slot held the step
+    copies out into new tensors -- each result == the plan's own run, bit for bit."""
+    steps = _steps(mix, vocab, 3, 2 + graphs.SLOTS + 2, device)
+    rows = steps[0].logits.shape[0]
+    shard = _shard(vocab, torch.bfloat16, device)
+    plan = _plan(shard, rows, mix)
+    step = shard.graphed(plan)
+    batches = [_batch(t, mix) for t in steps]
+    refs = [plan.run(t.logits, b) for t, b in zip(steps, batches, strict=True)]
+    for _ in range(graphs.CAPTURE_AFTER):  # captured (on the CPU: set up) here
+        step.run(steps[0].logits, batches[0])
+    (captured,) = step._graphs.values()
+    assert len(captured.slots) == graphs.SLOTS
+    slot_ptrs = [s.outputs[0].data_ptr() for s in captured.slots]
+    held: list[Any] = []
+
+    def run(i: int) -> Any:
+        got = step.run(steps[i].logits.clone(), batches[i])
+        assert _equal(got, refs[i]), f"step {i}"
+        return got
+
+    # released at once: the first slot every time
+    for i in range(2):
+        assert run(i)[0].data_ptr() == slot_ptrs[0]
+    # held in three ways: the tuple, one tensor, a view of another; then the slots are full
+    got = [run(i) for i in range(graphs.SLOTS + 2)]
+    held = [got[0], got[1][0], got[2][1][1:]]
+    ptrs = [g[0].data_ptr() for g in got]
+    assert ptrs[: graphs.SLOTS] == slot_ptrs and len(set(ptrs)) == len(ptrs)
+    del got
+    for i in range(3):  # later steps (other logits) leave the held outputs as they were
+        run(3 + i)
+    assert _equal(held[0], refs[0])
+    assert torch.equal(held[1], refs[1][0]) and torch.equal(held[2], refs[2][1][1:])
+    del held
+    assert all(s.free() for s in captured.slots)
+    assert run(0)[0].data_ptr() == slot_ptrs[0]
+
+
+@pytest.mark.parametrize("mix", ["greedy", "temperature"])
+def test_held_outputs_are_never_rewritten_and_released_slots_return(mix: str) -> None:
+    _slot_steps(mix, 2053, "cpu")
+
+
 def test_empty_batch_runs_the_plan() -> None:
     shard = _shard(1031, torch.bfloat16, "cpu")
     plan = shard.greedy_verify(0)
@@ -242,6 +290,12 @@ def test_gpu_replay_equals_launches_twice(mix: str, reqs: int) -> None:
         assert _equal(again, got), f"step {i}: two replays differ"
         kept += [ref, got, again]
     assert step.num_graphs == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", ["greedy", "temperature", "top_p", "strict", "top_p_hist"])
+def test_gpu_held_outputs_are_never_rewritten(mix: str) -> None:
+    _slot_steps(mix, 200064, "cuda")
 
 
 @pytest.mark.gpu
