@@ -24,7 +24,7 @@ the dispatcher); the measured times next to it. Rows of a TP that was not measur
 catch-all, take TP 1's answer at the bucket (the catch-all: at the largest measured count). The
 table's provenance records the sources.
 
-    python -m tuner --phases-from benchmarks/results/sm90/sampled_local.csv \\
+    python -m tuner --phases-from benchmarks/results/sm90/sampled_sweep/sampled_local.csv \\
         --exchange-from benchmarks/results/sm90/step_tp2.csv --arch sm90
 """
 
