@@ -36,7 +36,9 @@ cached plan and its graphed step, :class:`~shardmax.runtime.graphs.GraphedStep`'
 entries (written, then copied to the device) and the slot's graph replay. ``sum of parts``
 against ``whole`` shows what is left in the glue between them. One more row, not part of the
 call, times what a step whose slots are all held pays instead of the slot lookup: allocating
-its outputs (then the copy-out graph replays).
+its outputs (then the copy-out graph replays); and ``whole call, every slot held`` times the
+whole call on that path (the outputs of :data:`~shardmax.runtime.graphs.SLOTS` calls kept
+alive meanwhile): the same run's before/after of the output slots.
 
 Needs a GPU.
 
@@ -186,8 +188,8 @@ def launches(forward: Any) -> list[dict[str, Any]]:
 PART_FIELDS = ["mix", "rows", "part", "host_us_p50", "host_us_p90"]
 PARTS = ("check_step_batch", "plan + graphed lookup", "GraphedStep checks", "free slot lookup",
          "argument table (write + copy)", "graph replay", "sum of parts", "whole call",
-         "output allocations (slots held)")  # fmt: skip
-NOT_IN_CALL = ("whole call", "output allocations (slots held)")
+         "output allocations (slots held)", "whole call, every slot held")  # fmt: skip
+NOT_IN_CALL = PARTS[7:]
 
 
 def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> list[dict[str, Any]]:
@@ -246,10 +248,13 @@ def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> lis
                 "output allocations (slots held)": lambda c=captured: [
                     torch.empty_like(o) for o in c.outputs
                 ],
+                "whole call, every slot held": step,
             }
             got = {}
             for part, call in calls.items():
+                held = [step() for _ in captured.slots] if part == PARTS[-1] else []
                 times = _host_us(call, forward.replay)
+                del held
                 got[part] = (statistics.median(times), times[int(0.9 * (len(times) - 1))])
             parts = [v for k, v in got.items() if k not in NOT_IN_CALL]
             got["sum of parts"] = (sum(p[0] for p in parts), sum(p[1] for p in parts))
