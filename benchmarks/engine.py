@@ -3,6 +3,13 @@
 V2 replays the model's forward from a CUDA graph and then calls verification EAGERLY, so the
 host cost of the call counts as much as its GPU time. Each timed step of this loop is:
 
+0. the engine's wait: with async scheduling vLLM keeps ``max_concurrent_batches`` = 2 steps in
+   flight (V2 at pipeline size 1: the engine core's batch queue, then ``AsyncOutput.get_output``
+   waits on the oldest step's copy event), so before step ``i`` the host waits for step
+   ``i - --lookahead`` (default 2) to finish on the GPU -- untimed, outside the call; without it
+   the host would run ever further ahead and a call's host time would include the driver's
+   back-pressure;
+
 1. the stand-in forward: a captured CUDA graph of matmuls taking about ``--forward-us`` of GPU
    time (replayed, as V2 replays the model);
 2. the host work of preparing the step's batch tensors (a pinned host->device copy of the
@@ -40,7 +47,8 @@ mode and the event / stream waits it does not report). Targets of issue
 19 are evaluated from these numbers only. Needs a GPU.
 
     python -m benchmarks.engine [--rows 4,32,96,256,512] [--vocab 200064] [--steps 200]
-        [--mixes greedy,temperature,top_p] [--forward-us 1000] [--out benchmarks/results/<arch>]
+        [--mixes greedy,temperature,top_p] [--forward-us 1000] [--lookahead 2]
+        [--out benchmarks/results/<arch>]
 """
 
 from __future__ import annotations
@@ -176,7 +184,11 @@ def _mismatches(ours: Any, theirs: Any) -> tuple[int, int]:
 
 
 def _measure(
-    step: Callable[[], Any], forward: torch.cuda.CUDAGraph, steps: int, reqs: int
+    step: Callable[[], Any],
+    forward: torch.cuda.CUDAGraph,
+    steps: int,
+    reqs: int,
+    lookahead: int = 2,
 ) -> dict[str, Any]:
     slots = torch.arange(reqs, dtype=torch.int32).pin_memory()
     slots_dev = torch.empty(reqs, dtype=torch.int32, device="cuda")
@@ -189,6 +201,8 @@ def _measure(
               for _ in range(steps)]  # fmt: skip
     t0 = time.perf_counter()
     for i in range(steps):
+        if lookahead and i >= lookahead:  # the engine's own wait (module docstring, 0.), untimed
+            events[i - lookahead][1].synchronize()
         forward.replay()
         slots_dev.copy_(slots, non_blocking=True)
         events[i][0].record()
@@ -272,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--mixes", default="greedy,temperature,top_p")
     ap.add_argument("--forward-us", type=float, default=1000.0)
+    ap.add_argument(
+        "--lookahead",
+        type=int,
+        default=2,
+        help="steps the host may run ahead of the GPU (vLLM's max_concurrent_batches; 0: none)",
+    )
     ap.add_argument("--vllm-version", default="0.33.0")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
@@ -376,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                        "vocab": args.vocab, "dtype": "bf16", "tp": 1, "path": path,
                        "steps": args.steps, "forward_us": round(forward_us, 1),
                        "note": note if path == "vllm" else ""}  # fmt: skip
-                row.update(_measure(step, forward, args.steps, reqs))
+                row.update(_measure(step, forward, args.steps, reqs, args.lookahead))
                 # a replayed step cannot be captured again: its GPU time is the loop's
                 row["gpu_us_graph"] = "replayed" if path == "shardmax" else _graph_gpu_us(step)
                 row["host_sync"] = _syncs(step)

@@ -134,16 +134,22 @@ LAUNCH_FIELDS = ["what", "gpu", "host_us_p50", "host_us_p90"]
 
 def _host_us(call: Callable[[], Any], busy: Callable[[], Any] | None, n: int = 200) -> list[float]:
     """Host microseconds of ``n`` calls of ``call``, each behind ``busy()`` when given (the GPU
-    then runs behind the host: the engine's situation), sorted."""
+    then runs behind the host: the engine's situation, at most two calls ahead of the GPU as
+    vLLM's async scheduling keeps it -- ``benchmarks.engine --lookahead``), sorted."""
     times = []
-    for _ in range(n):
+    done = [torch.cuda.Event() for _ in range(n)]
+    for i in range(n):
         if busy is not None:
+            if i >= 2:
+                done[i - 2].synchronize()  # untimed, as the engine's own wait
             busy()
         h0 = time.perf_counter()
         call()
         times.append((time.perf_counter() - h0) * 1e6)
         if busy is None:
             torch.cuda.synchronize()
+        else:
+            done[i].record()
     torch.cuda.synchronize()
     return sorted(times)
 

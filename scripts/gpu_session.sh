@@ -71,6 +71,9 @@
 #                                   --phases-from) into $OUT/sampled_sweep
 #   bash scripts/gpu_session.sh SLT one H200: every graph GPU test, then stage GR's sampled step
 #                                   with the tuned tables (after tuner --phases-from)
+#   bash scripts/gpu_session.sh LA  one H200: the host costs, the engine loop (host at most 2 steps
+#                                   ahead, as vLLM's async scheduling), then its greedy rows with
+#                                   the host unbounded (--lookahead 0), same machine session
 #   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
 #                                   benchmark (after a change of the resolution's host path)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
@@ -572,6 +575,23 @@ SLT)
   echo "  rc=$?"; grep -E "Error|DIFFER|!!" "$OUT/sampled_local_SLT.log" | head -5
   tar -czf "$OUT/SLT.tar.gz" -C "$OUT" sampled_tuned 2>/dev/null
   rm -rf "$OUT/sampled_tuned"
+  ;;
+LA)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "host costs"
+  timeout "$(left 90)" python3 -m benchmarks.host_costs --out "$OUT/host_costs" \
+    >"$OUT/host_costs_LA.log" 2>&1
+  echo "  rc=$?"; grep -E " rows=|Error" "$OUT/host_costs_LA.log"
+  stamp "engine-faithful loop"
+  timeout "$(left 330)" python3 -m benchmarks.engine --steps 100 --out "$OUT/engine" \
+    >"$OUT/engine_LA.log" 2>&1
+  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) .*shardmax  |Error" "$OUT/engine_LA.log"
+  stamp "engine loop, greedy, host unbounded"
+  timeout "$(left 450)" python3 -m benchmarks.engine --steps 100 --lookahead 0 --mixes greedy \
+    --out "$OUT/engine_unbounded" >"$OUT/engine_unbounded_LA.log" 2>&1
+  echo "  rc=$?"; grep -E "^greedy .*shardmax  |Error" "$OUT/engine_unbounded_LA.log"
+  tar -czf "$OUT/LA.tar.gz" -C "$OUT" host_costs engine engine_unbounded 2>/dev/null
+  rm -rf "$OUT/host_costs" "$OUT/engine" "$OUT/engine_unbounded"
   ;;
 RA)
   # after a change of resolve_apply / the host read: the host read's GPU test, the resolution
