@@ -20,6 +20,7 @@ between the replays.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -206,8 +207,9 @@ def test_plans_that_cannot_be_replayed_are_refused() -> None:
 
 def _slot_steps(mix: str, vocab: int, device: str) -> None:
     """Outputs held as a tensor, a view or the returned tuple are never rewritten by later steps
-    (whose logits differ); released slots are handed out again; with every slot held the step
-    copies out into new tensors -- each result == the plan's own run, bit for bit."""
+    (whose logits differ); released slots are handed out again, in turn, and a caller keeping
+    its last outputs gets the next slot; with every slot held the step copies out into new
+    tensors -- each result == the plan's own run, bit for bit."""
     steps = _steps(mix, vocab, 3, 2 + graphs.SLOTS + 2, device)
     rows = steps[0].logits.shape[0]
     shard = _shard(vocab, torch.bfloat16, device)
@@ -219,7 +221,7 @@ def _slot_steps(mix: str, vocab: int, device: str) -> None:
         step.run(steps[0].logits, batches[0])
     (captured,) = step._graphs.values()
     assert len(captured.slots) == graphs.SLOTS
-    slot_ptrs = [s.outputs[0].data_ptr() for s in captured.slots]
+    slot_ptrs = [s.static[0].data_ptr() for s in captured.slots]
     held: list[Any] = []
 
     def run(i: int) -> Any:
@@ -227,14 +229,21 @@ def _slot_steps(mix: str, vocab: int, device: str) -> None:
         assert _equal(got, refs[i]), f"step {i}"
         return got
 
-    # released at once: the first slot every time
-    for i in range(2):
-        assert run(i)[0].data_ptr() == slot_ptrs[0]
+    # released at once: the slots in turn
+    turn = [run(i)[0].data_ptr() for i in range(graphs.SLOTS + 1)]
+    assert sorted(turn[: graphs.SLOTS]) == sorted(slot_ptrs) and turn[-1] == turn[0]
+    # the previous step's outputs kept (as vLLM keeps them): the next slot, never an allocation
+    prev = run(0)
+    for i in range(4):
+        cur = run(i)
+        assert cur[0].data_ptr() in slot_ptrs and cur[0].data_ptr() != prev[0].data_ptr()
+        prev = cur
+    del prev, cur
     # held in three ways: the tuple, one tensor, a view of another; then the slots are full
     got = [run(i) for i in range(graphs.SLOTS + 2)]
     held = [got[0], got[1][0], got[2][1][1:]]
     ptrs = [g[0].data_ptr() for g in got]
-    assert ptrs[: graphs.SLOTS] == slot_ptrs and len(set(ptrs)) == len(ptrs)
+    assert set(ptrs[: graphs.SLOTS]) == set(slot_ptrs) and len(set(ptrs)) == len(ptrs)
     del got
     for i in range(3):  # later steps (other logits) leave the held outputs as they were
         run(3 + i)
@@ -242,12 +251,92 @@ def _slot_steps(mix: str, vocab: int, device: str) -> None:
     assert torch.equal(held[1], refs[1][0]) and torch.equal(held[2], refs[2][1][1:])
     del held
     assert all(s.free() for s in captured.slots)
-    assert run(0)[0].data_ptr() == slot_ptrs[0]
+    assert run(0)[0].data_ptr() in slot_ptrs
 
 
 @pytest.mark.parametrize("mix", ["greedy", "temperature"])
 def test_held_outputs_are_never_rewritten_and_released_slots_return(mix: str) -> None:
     _slot_steps(mix, 2053, "cpu")
+
+
+def _hold(how: str, res: Any) -> Callable[[], torch.Tensor]:
+    """Keep step ``res``'s ``sampled`` (or ``num_sampled``) alive only through ``how``; returns
+    a function reading it back."""
+    t = res[0]
+    if how == "storage":
+        st, shape, dtype = t.untyped_storage(), t.shape, t.dtype
+        return lambda: torch.empty(0, dtype=dtype).set_(st).view(shape)
+    if how == "numpy":
+        a = t.numpy()
+        return lambda: torch.from_numpy(a)
+    if how == "dlpack":
+        cap = torch.utils.dlpack.to_dlpack(t)
+        return lambda: torch.from_dlpack(cap)
+    if how == "autograd":  # a tensor only autograd's saved-tensor list refers to
+        w = torch.ones(res[1].shape, requires_grad=True)
+        loss = (w * res[1]).sum()
+
+        def grad() -> torch.Tensor:
+            loss.backward()
+            assert w.grad is not None
+            return w.grad.to(res[1].dtype)
+
+        return grad
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["storage", "numpy", "dlpack", "autograd"])
+def test_outputs_held_by_any_reference_are_never_rewritten(how: str) -> None:
+    """The caller keeps a step's memory without any of its tensors: every slot is then cycled
+    through by later steps (other logits) and the kept memory still holds its own step's
+    result; every result == the plan's run."""
+    steps = _steps("greedy", 2053, 3, graphs.SLOTS + 3, "cpu")
+    rows = steps[0].logits.shape[0]
+    shard = _shard(2053, torch.bfloat16, "cpu")
+    plan = shard.greedy_verify(rows)
+    step = shard.graphed(plan)
+    batches = [_batch(t, "greedy") for t in steps]
+    refs = [plan.run(t.logits, b) for t, b in zip(steps, batches, strict=True)]
+    for _ in range(graphs.CAPTURE_AFTER):
+        step.run(steps[0].logits, batches[0])
+    res = step.run(steps[0].logits.clone(), batches[0])
+    (captured,) = step._graphs.values()
+    assert res[0].data_ptr() in [s.static[0].data_ptr() for s in captured.slots]
+    read = _hold(how, res)
+    del res
+    for i in range(1, len(steps)):
+        assert _equal(step.run(steps[i].logits.clone(), batches[i]), refs[i]), f"step {i}"
+    want = refs[0][1] if how == "autograd" else refs[0][0]
+    assert torch.equal(read(), want)
+
+
+@pytest.mark.parametrize("how", ["unsqueeze_", "set_", "resize_"])
+def test_changes_to_dropped_outputs_stay_with_them(how: str) -> None:
+    """A caller that reshapes, re-points or grows its tensors and drops them: later steps get
+    the plan's shapes and values (a slot whose memory moved is retired, never replayed)."""
+    steps = _steps("greedy", 2053, 3, graphs.SLOTS + 3, "cpu")
+    rows = steps[0].logits.shape[0]
+    shard = _shard(2053, torch.bfloat16, "cpu")
+    plan = shard.greedy_verify(rows)
+    step = shard.graphed(plan)
+    batches = [_batch(t, "greedy") for t in steps]
+    refs = [plan.run(t.logits, b) for t, b in zip(steps, batches, strict=True)]
+    for _ in range(graphs.CAPTURE_AFTER):
+        step.run(steps[0].logits, batches[0])
+    res = step.run(steps[0].logits.clone(), batches[0])
+    if how == "unsqueeze_":
+        res[0].unsqueeze_(0)
+    elif how == "set_":
+        res[0].set_(torch.empty(0, dtype=res[0].dtype))
+    else:
+        res[0].resize_(1 << 16)  # grows the storage: its memory moves
+    del res
+    for i in range(1, len(steps)):
+        got = step.run(steps[i].logits.clone(), batches[i])
+        assert [t.shape for t in got] == [t.shape for t in refs[i]]
+        assert _equal(got, refs[i]), f"step {i}"
+    (captured,) = step._graphs.values()
+    assert sum(s.retired for s in captured.slots) == (how == "resize_")
 
 
 def test_empty_batch_runs_the_plan() -> None:

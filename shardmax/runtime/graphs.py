@@ -24,15 +24,20 @@ byte, so the kernels see exactly what the eager ``run`` would.
 
 **Outputs without an allocation.** Besides the graph above (the *copy-out* graph) a captured
 signature keeps :data:`SLOTS` *output slots*: graphs of the same step without the final copy,
-each writing its own static outputs. A step replays the first slot whose outputs nothing else
-refers to -- neither the tensors (their Python reference count) nor a view of their memory (the
-storage's use count), both as they were when the slot was made -- and returns those tensors in
-a new tuple; only when every slot is held does it allocate new outputs and replay the copy-out
-graph. So a caller that keeps outputs (vLLM keeps a step's until its asynchronous copy to the
-host is done) never sees them overwritten, and a steady state that drops them costs no output
-allocation (3 to 6 ``torch.empty`` of ~3.5 us host each on the H200's host) and no copy kernel.
-As with the caching allocator, a caller that drops outputs while work on another stream still
-reads them must synchronise that stream first (or keep a reference, as vLLM does).
+each writing its own static outputs. A step replays the next slot (round robin) whose memory
+nothing outside it refers to -- its storages' use counts (every tensor on them, whoever holds
+it: a tensor, a view, an autograd saved tensor, a collective's handle) and the reference counts
+of their Python storage objects, both as they were when the slot was made -- and returns new
+aliases of the slot's outputs (``detach()``: new tensor objects on the same memory, so what a
+caller does to its tensors' shapes or storage stays with them). Only when every slot is held
+does it allocate new outputs and replay the copy-out graph. So a caller that keeps outputs
+(vLLM keeps a step's until its asynchronous copy to the host is done) never sees them
+overwritten, and a steady state that drops them costs no output allocation (3 to 6
+``torch.empty`` of ~3.5 us host each on the H200's host) and no copy kernel. A slot whose memory
+moved (a caller's ``resize_`` that grew the storage) is retired. As with the caching allocator,
+a caller that drops its outputs while work on another stream still reads them must synchronise
+that stream first (or keep a reference, as vLLM does), and a raw address (``data_ptr()``) keeps
+nothing alive.
 
 One :class:`GraphedStep` per plan keeps its graphs per *batch signature* (requests, K, each
 batch tensor's presence, dtype and length): a new signature runs eagerly the first time and is
@@ -60,7 +65,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext as _nullcontext
 from typing import Any
 
@@ -96,35 +101,64 @@ def batch_signature(batch: Any) -> tuple[Any, ...]:
 
 
 class _Slot:
-    """Static outputs of one replay (and, on a GPU, the graph that writes them), handed out
-    while nothing but the slot refers to them."""
+    """Static outputs of one replay (and, on a GPU, the graph that writes them). The static
+    tensors never leave the slot: a step gets new aliases of them (``detach()``: new tensor
+    objects on the same memory), so whatever a caller does to its tensors' shape, strides or
+    storage (``unsqueeze_``, ``set_``, ...) stays with that step's tensors, and any holder of
+    an alias -- a tensor, a view, the storage object, a C++ reference such as an autograd saved
+    tensor or an asynchronous collective's handle -- holds the storage."""
 
-    __slots__ = ("_idle", "_storages", "graph", "outputs")
+    __slots__ = ("_idle", "_ptrs", "_static", "_storages", "graph", "retired")
 
     def __init__(self, outputs: list[torch.Tensor], graph: _Segments | None) -> None:
-        self.outputs, self.graph = outputs, graph
-        self._storages = [t.untyped_storage()._cdata for t in outputs]
-        self._idle = self._holders()  # the slot's own references only: the caller's are gone
+        self._static, self.graph = outputs, graph
+        # held, not only counted: their Python objects are what a caller's untyped_storage()
+        # returns (one per storage), so their reference counts are holders too
+        self._storages = [t.untyped_storage() for t in outputs]
+        self._ptrs = [t.data_ptr() for t in outputs]
+        self.retired = False
+        self._idle = list(self._holders())  # the slot's own references only
 
-    def _holders(self) -> list[int]:
+    def _holders(self) -> Iterator[int]:
+        """References to each storage's Python object, then the storage's use count (every
+        tensor on it, whoever holds that tensor). One code path for the baseline and every
+        test: what the loop itself holds counts the same both times."""
         assert _use_count is not None
-        return [sys.getrefcount(t) for t in self.outputs] + [_use_count(c) for c in self._storages]
+        for st in self._storages:
+            yield sys.getrefcount(st)
+        for st in self._storages:
+            yield _use_count(st._cdata)
 
     def free(self) -> bool:
-        """Whether no tensor, tuple or view outside the slot refers to its outputs (fewer
-        references than at the slot's making: a reference held then, e.g. by a plan, is gone)."""
+        """Whether nothing outside the slot refers to its memory (no more references than at
+        the slot's making). A slot whose memory moved (a caller's ``resize_`` that had to grow
+        the storage) is retired: its graph would write where the memory was."""
+        if self.retired:
+            return False
+        if any(t.data_ptr() != p for t, p in zip(self._static, self._ptrs, strict=True)):
+            self.retired = True
+            return False
         return all(n <= idle for n, idle in zip(self._holders(), self._idle, strict=True))
+
+    def take(self) -> list[torch.Tensor]:
+        """This step's tensors: new aliases of the static outputs."""
+        return [t.detach() for t in self._static]
+
+    @property
+    def static(self) -> list[torch.Tensor]:
+        """The static outputs (the graph's, or on the CPU the copy's destinations)."""
+        return self._static
 
     def exclusive(self) -> bool:
         """Whether every output owns its memory alone (no view of a larger buffer, e.g. a
         workspace, that would be rewritten by other steps): as many references to its storage
         as to a new tensor's."""
         assert _use_count is not None
-        probe = torch.empty(1, device=self.outputs[0].device)  # alive while counted
+        probe = torch.empty(1, device=self._static[0].device)  # alive while counted
         lone = _use_count(probe.untyped_storage()._cdata)
         return all(
-            t.untyped_storage().nbytes() == _nbytes(t) and _use_count(c) <= lone
-            for t, c in zip(self.outputs, self._storages, strict=True)
+            st.nbytes() == _nbytes(t) and _use_count(st._cdata) <= lone
+            for t, st in zip(self._static, self._storages, strict=True)
         )
 
 
@@ -154,6 +188,7 @@ class _Captured:
         self.graph: _Segments | None = None
         self.outputs: list[torch.Tensor] = []
         self.slots: list[_Slot] = []
+        self._next = 0  # the slot after the one handed out last: tried first
         # plans whose kernels read the logits directly (level-histogram top-p, strict mode) run
         # on a static copy of them (the caller's logits copied in before each replay), one per
         # plan (GraphedStep.static_logits), shared by its batch signatures
@@ -202,7 +237,16 @@ class _Captured:
         self._first = first  # the interpreter's table points at them until a run
         del res, first
         if _use_count is not None and self.outputs:
-            slots = [self._slot() for _ in range(SLOTS)]
+            try:
+                slots = [self._slot() for _ in range(SLOTS)]
+            except Exception as e:  # e.g. out of memory: the copy-out graph alone
+                warnings.warn(
+                    f"shardmax: output slots of {type(self.plan).__name__} not captured "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); its steps copy out",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                slots = []
             if all(slot.exclusive() for slot in slots):  # else every step copies out
                 self.slots = slots
 
@@ -263,9 +307,16 @@ class _Captured:
             h[base + 3 * j] = t.data_ptr()
 
     def run(self, logits: torch.Tensor, batch: Any) -> Any:
-        slot = next((s for s in self.slots if s.free()), None)
+        # round robin from the slot after the last one handed out: a caller that keeps its
+        # last outputs or two (vLLM, until their copy to the host is done) finds it free at once
+        slot, n = None, len(self.slots)
+        for k in range(n):
+            i = (self._next + k) % n
+            if self.slots[i].free():
+                slot, self._next = self.slots[i], (i + 1) % n
+                break
         # every slot held (or none): new outputs, the copy-out graph
-        outs = [torch.empty_like(t) for t in self.outputs] if slot is None else slot.outputs
+        outs = [torch.empty_like(t) for t in self.outputs] if slot is None else slot.static
         self._fill(logits, batch, outs if slot is None or slot.graph is None else ())
         self._upload()
         if self.static_logits is not None:
@@ -276,7 +327,7 @@ class _Captured:
             self.graph.replay()
         else:
             self._body(copy_out=True)
-        return self.make(list(outs))
+        return self.make(outs if slot is None else slot.take())
 
 
 def reads_logits_directly(plan: Any) -> bool:
@@ -378,9 +429,10 @@ class GraphedStep:
     Raises:
         ValueError: a plan that cannot be replayed (:meth:`unsupported` says why).
 
-    ``run`` has the plan's contract (no host sync after the capture; the caller may keep the
-    outputs: a slot's are handed out again only once nothing refers to them, module docstring)
-    and returns what the plan's ``run`` returns, bit for bit. Runs of one shard's plans and
+    ``run`` returns what the plan's ``run`` returns, bit for bit, without a host sync after the
+    capture. Its outputs are new tensor objects, but on a replayed step their memory is one of a
+    few output slots, handed out again once nothing refers to it any more (module docstring):
+    the caller may keep them for as long as it likes. Runs of one shard's plans and
     graphs must be ordered on one stream.
     """
 
