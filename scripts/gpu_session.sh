@@ -74,6 +74,7 @@
 #   bash scripts/gpu_session.sh LA  one H200: the host costs, the engine loop (host at most 2 steps
 #                                   ahead, as vLLM's async scheduling), then its greedy rows with
 #                                   the host unbounded (--lookahead 0), same machine session
+#   bash scripts/gpu_session.sh GL  one H200: every graph GPU test, then stage LA
 #   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
 #                                   benchmark (after a change of the resolution's host path)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
@@ -571,6 +572,13 @@ SLT)
   echo "  rc=$?"; grep -E "Error|DIFFER|!!" "$OUT/sampled_local_SLT.log" | head -5
   tar -czf "$OUT/SLT.tar.gz" -C "$OUT" sampled_tuned 2>/dev/null
   rm -rf "$OUT/sampled_tuned"
+  ;;
+GL)
+  stamp "graph GPU tests"
+  timeout "$(left 300)" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
+    tests/test_graphs.py >"$OUT/graphs_GL.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/graphs_GL.log" | tail -8
+  OUT=$OUT bash "$0" LA
   ;;
 LA)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
