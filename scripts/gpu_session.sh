@@ -120,6 +120,27 @@ pair() {  # pair LOGTAG ARGS...: argmax on GPU 0 and verify on GPU 1 at the same
   wait
 }
 
+# host_and_engine STAGE HOST_DEADLINE ENGINE_DEADLINE: the replayed call's host costs into
+# $OUT/host_costs, then the engine-faithful loop into $OUT/engine
+host_and_engine() {
+  stamp "host costs"
+  timeout "$(left "$2")" python3 -m benchmarks.host_costs --out "$OUT/host_costs" \
+    >"$OUT/host_costs_$1.log" 2>&1
+  echo "  rc=$?"; grep -E " rows=|Error" "$OUT/host_costs_$1.log"
+  stamp "engine-faithful loop"
+  timeout "$(left "$3")" python3 -m benchmarks.engine --steps 100 --out "$OUT/engine" \
+    >"$OUT/engine_$1.log" 2>&1
+  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) .*shardmax  |Error" "$OUT/engine_$1.log"
+}
+
+# graph_tests STAGE DEADLINE: every graph GPU test (tests/test_graphs.py)
+graph_tests() {
+  stamp "graph GPU tests"
+  timeout "$(left "$2")" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
+    tests/test_graphs.py >"$OUT/graphs_$1.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/graphs_$1.log" | tail -8
+}
+
 # topp_step_hist STAGE DEADLINE: the top-p step as the plug-in calls it (histogram paths, graphs
 # and eager) against vLLM's path, emulated TP, into $OUT/topp_step
 topp_step_hist() {
@@ -544,14 +565,7 @@ GR)
   ;;
 SL)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
-  stamp "host costs"
-  timeout "$(left 170)" python3 -m benchmarks.host_costs --out "$OUT/host_costs" \
-    >"$OUT/host_costs_SL.log" 2>&1
-  echo "  rc=$?"; grep -E " rows=|Error" "$OUT/host_costs_SL.log"
-  stamp "engine-faithful loop"
-  timeout "$(left 300)" python3 -m benchmarks.engine --steps 100 --out "$OUT/engine" \
-    >"$OUT/engine_SL.log" 2>&1
-  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) |Error" "$OUT/engine_SL.log" | head -40
+  host_and_engine SL 170 300
   stamp "phase-1 sweep"
   timeout "$(left 585)" python3 -m benchmarks.sampled_local --draw-sweep "" --eager 50 \
     --phase1-sweep "${SWEEP:-1024,2048,4096:2,4,8,16,32:4,8}" --out "$OUT/sampled_sweep" \
@@ -562,10 +576,7 @@ SL)
   ;;
 SLT)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
-  stamp "graph GPU tests"
-  timeout "$(left 420)" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=8 \
-    tests/test_graphs.py >"$OUT/graphs_SLT.log" 2>&1
-  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E |s call" "$OUT/graphs_SLT.log" | tail -14
+  graph_tests SLT 420
   stamp "sampled step, tuned tables"
   timeout "$(left 585)" python3 -m benchmarks.sampled_local --draw-sweep "" --eager 50 \
     --out "$OUT/sampled_tuned" >"$OUT/sampled_local_SLT.log" 2>&1
@@ -574,22 +585,12 @@ SLT)
   rm -rf "$OUT/sampled_tuned"
   ;;
 GL)
-  stamp "graph GPU tests"
-  timeout "$(left 300)" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
-    tests/test_graphs.py >"$OUT/graphs_GL.log" 2>&1
-  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/graphs_GL.log" | tail -8
+  graph_tests GL 300
   OUT=$OUT bash "$0" LA
   ;;
 LA)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
-  stamp "host costs"
-  timeout "$(left 90)" python3 -m benchmarks.host_costs --out "$OUT/host_costs" \
-    >"$OUT/host_costs_LA.log" 2>&1
-  echo "  rc=$?"; grep -E " rows=|Error" "$OUT/host_costs_LA.log"
-  stamp "engine-faithful loop"
-  timeout "$(left 330)" python3 -m benchmarks.engine --steps 100 --out "$OUT/engine" \
-    >"$OUT/engine_LA.log" 2>&1
-  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) .*shardmax  |Error" "$OUT/engine_LA.log"
+  host_and_engine LA 90 330
   stamp "engine loop, greedy, host unbounded"
   timeout "$(left 450)" python3 -m benchmarks.engine --steps 100 --lookahead 0 --mixes greedy \
     --out "$OUT/engine_unbounded" >"$OUT/engine_unbounded_LA.log" 2>&1

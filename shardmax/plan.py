@@ -29,9 +29,9 @@ bit for bit, for one table copy and one graph launch of host time per step::
     step = shard.graphed(shard.greedy_verify(num_logits))
     sampled, num_sampled, num_rejected = step.run(local_logits, batch)   # every step
 
-A replayed step returns one of a few static output slots rather than new tensors: a slot is
-handed out again only once nothing refers to its outputs any more, so outputs the caller keeps
-are never rewritten (:mod:`shardmax.runtime.graphs`).
+A replayed step's outputs are new tensor objects on the memory of one of a few static output
+slots; a slot is handed out again only once nothing refers to that memory any more, so outputs
+the caller keeps are never rewritten (:mod:`shardmax.runtime.graphs`).
 
 Value checks (the syncing ones of :mod:`shardmax.runtime.validation`) are not run by ``run``:
 call :func:`shardmax.runtime.validation.check_batch_values` yourself where you need them (the

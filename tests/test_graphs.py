@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -285,11 +285,19 @@ def _hold(how: str, res: Any) -> Callable[[], torch.Tensor]:
     raise AssertionError(how)
 
 
-@pytest.mark.parametrize("how", ["storage", "numpy", "dlpack", "autograd"])
-def test_outputs_held_by_any_reference_are_never_rewritten(how: str) -> None:
-    """The caller keeps a step's memory without any of its tensors: every slot is then cycled
-    through by later steps (other logits) and the kept memory still holds its own step's
-    result; every result == the plan's run."""
+class _Replayed(NamedTuple):
+    """A captured greedy signature, ``SLOTS + 3`` steps of it and their eager results."""
+
+    step: GraphedStep
+    steps: list[TrafficBatch]
+    batches: list[StepBatch]
+    refs: list[Any]
+
+    def run(self, i: int) -> Any:
+        return self.step.run(self.steps[i].logits.clone(), self.batches[i])
+
+
+def _replayed() -> _Replayed:
     steps = _steps("greedy", 2053, 3, graphs.SLOTS + 3, "cpu")
     rows = steps[0].logits.shape[0]
     shard = _shard(2053, torch.bfloat16, "cpu")
@@ -299,14 +307,23 @@ def test_outputs_held_by_any_reference_are_never_rewritten(how: str) -> None:
     refs = [plan.run(t.logits, b) for t, b in zip(steps, batches, strict=True)]
     for _ in range(graphs.CAPTURE_AFTER):
         step.run(steps[0].logits, batches[0])
-    res = step.run(steps[0].logits.clone(), batches[0])
-    (captured,) = step._graphs.values()
+    return _Replayed(step, steps, batches, refs)
+
+
+@pytest.mark.parametrize("how", ["storage", "numpy", "dlpack", "autograd"])
+def test_outputs_held_by_any_reference_are_never_rewritten(how: str) -> None:
+    """The caller keeps a step's memory without any of its tensors: every slot is then cycled
+    through by later steps (other logits) and the kept memory still holds its own step's
+    result; every result == the plan's run."""
+    r = _replayed()
+    res = r.run(0)
+    (captured,) = r.step._graphs.values()
     assert res[0].data_ptr() in [s.static[0].data_ptr() for s in captured.slots]
     read = _hold(how, res)
     del res
-    for i in range(1, len(steps)):
-        assert _equal(step.run(steps[i].logits.clone(), batches[i]), refs[i]), f"step {i}"
-    want = refs[0][1] if how == "autograd" else refs[0][0]
+    for i in range(1, len(r.steps)):
+        assert _equal(r.run(i), r.refs[i]), f"step {i}"
+    want = r.refs[0][1] if how == "autograd" else r.refs[0][0]
     assert torch.equal(read(), want)
 
 
@@ -314,16 +331,8 @@ def test_outputs_held_by_any_reference_are_never_rewritten(how: str) -> None:
 def test_changes_to_dropped_outputs_stay_with_them(how: str) -> None:
     """A caller that reshapes, re-points or grows its tensors and drops them: later steps get
     the plan's shapes and values (a slot whose memory moved is retired, never replayed)."""
-    steps = _steps("greedy", 2053, 3, graphs.SLOTS + 3, "cpu")
-    rows = steps[0].logits.shape[0]
-    shard = _shard(2053, torch.bfloat16, "cpu")
-    plan = shard.greedy_verify(rows)
-    step = shard.graphed(plan)
-    batches = [_batch(t, "greedy") for t in steps]
-    refs = [plan.run(t.logits, b) for t, b in zip(steps, batches, strict=True)]
-    for _ in range(graphs.CAPTURE_AFTER):
-        step.run(steps[0].logits, batches[0])
-    res = step.run(steps[0].logits.clone(), batches[0])
+    r = _replayed()
+    res = r.run(0)
     if how == "unsqueeze_":
         res[0].unsqueeze_(0)
     elif how == "set_":
@@ -331,11 +340,11 @@ def test_changes_to_dropped_outputs_stay_with_them(how: str) -> None:
     else:
         res[0].resize_(1 << 16)  # grows the storage: its memory moves
     del res
-    for i in range(1, len(steps)):
-        got = step.run(steps[i].logits.clone(), batches[i])
-        assert [t.shape for t in got] == [t.shape for t in refs[i]]
-        assert _equal(got, refs[i]), f"step {i}"
-    (captured,) = step._graphs.values()
+    for i in range(1, len(r.steps)):
+        got = r.run(i)
+        assert [t.shape for t in got] == [t.shape for t in r.refs[i]]
+        assert _equal(got, r.refs[i]), f"step {i}"
+    (captured,) = r.step._graphs.values()
     assert sum(s.retired for s in captured.slots) == (how == "resize_")
 
 

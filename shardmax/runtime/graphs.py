@@ -108,10 +108,11 @@ class _Slot:
     an alias -- a tensor, a view, the storage object, a C++ reference such as an autograd saved
     tensor or an asynchronous collective's handle -- holds the storage."""
 
-    __slots__ = ("_idle", "_ptrs", "_static", "_storages", "graph", "retired")
+    __slots__ = ("_idle", "_ptrs", "_storages", "graph", "retired", "static")
 
     def __init__(self, outputs: list[torch.Tensor], graph: _Segments | None) -> None:
-        self._static, self.graph = outputs, graph
+        # the static outputs (the graph's, or on the CPU the copy's destinations)
+        self.static, self.graph = outputs, graph
         # held, not only counted: their Python objects are what a caller's untyped_storage()
         # returns (one per storage), so their reference counts are holders too
         self._storages = [t.untyped_storage() for t in outputs]
@@ -135,30 +136,25 @@ class _Slot:
         the storage) is retired: its graph would write where the memory was."""
         if self.retired:
             return False
-        if any(t.data_ptr() != p for t, p in zip(self._static, self._ptrs, strict=True)):
+        if any(t.data_ptr() != p for t, p in zip(self.static, self._ptrs, strict=True)):
             self.retired = True
             return False
         return all(n <= idle for n, idle in zip(self._holders(), self._idle, strict=True))
 
     def take(self) -> list[torch.Tensor]:
         """This step's tensors: new aliases of the static outputs."""
-        return [t.detach() for t in self._static]
-
-    @property
-    def static(self) -> list[torch.Tensor]:
-        """The static outputs (the graph's, or on the CPU the copy's destinations)."""
-        return self._static
+        return [t.detach() for t in self.static]
 
     def exclusive(self) -> bool:
         """Whether every output owns its memory alone (no view of a larger buffer, e.g. a
         workspace, that would be rewritten by other steps): as many references to its storage
         as to a new tensor's."""
         assert _use_count is not None
-        probe = torch.empty(1, device=self._static[0].device)  # alive while counted
+        probe = torch.empty(1, device=self.static[0].device)  # alive while counted
         lone = _use_count(probe.untyped_storage()._cdata)
         return all(
             st.nbytes() == _nbytes(t) and _use_count(st._cdata) <= lone
-            for t, st in zip(self._static, self._storages, strict=True)
+            for t, st in zip(self.static, self._storages, strict=True)
         )
 
 
