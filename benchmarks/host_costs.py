@@ -32,13 +32,15 @@ shardmax's launcher): what a step's launches and replays cost the host.
 graph) on realistic traffic (V = 200064, bf16, K = 3), whole and part by part, each part timed
 alone behind the stand-in forward: the step's host checks (``check_step_batch``), the shard's
 cached plan and its graphed step, :class:`~shardmax.runtime.graphs.GraphedStep`'s own checks
-(logits, alignment, batch signature), finding a free output slot, the argument table's input
-entries (written, then copied to the device) and the slot's graph replay. ``sum of parts``
-against ``whole`` shows what is left in the glue between them. One more row, not part of the
-call, times what a step whose slots are all held pays instead of the slot lookup: allocating
-its outputs (then the copy-out graph replays); and ``whole call, every slot held`` times the
-whole call on that path (the outputs of :data:`~shardmax.runtime.graphs.SLOTS` calls kept
-alive meanwhile): the same run's before/after of the output slots.
+(logits, alignment, batch signature), finding a free output slot, the slot's argument table
+(its input entries written into its page-locked host table, which the slot's graph fetches
+itself: no copy call) and the slot's graph replay. ``sum of parts`` against ``whole`` shows
+what is left in the glue between them. Two more rows, not part of the call, time what a step
+whose slots are all held pays instead: allocating its outputs, and writing the copy-out
+path's table and copying it to the device (then the copy-out graph replays); and ``whole
+call, every slot held`` times the whole call on that path (the outputs of
+:data:`~shardmax.runtime.graphs.SLOTS` calls kept alive meanwhile): the same run's
+before/after of the output slots and their host tables.
 
 Needs a GPU.
 
@@ -193,8 +195,9 @@ def launches(forward: Any) -> list[dict[str, Any]]:
 
 PART_FIELDS = ["mix", "rows", "part", "host_us_p50", "host_us_p90"]
 PARTS = ("check_step_batch", "plan + graphed lookup", "GraphedStep checks", "free slot lookup",
-         "argument table (write + copy)", "graph replay", "sum of parts", "whole call",
-         "output allocations (slots held)", "whole call, every slot held")  # fmt: skip
+         "slot's argument table (write)", "graph replay", "sum of parts", "whole call",
+         "output allocations (slots held)", "argument table (write + copy, slots held)",
+         "whole call, every slot held")  # fmt: skip
 NOT_IN_CALL = PARTS[7:]
 
 
@@ -240,7 +243,13 @@ def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> lis
                 return logits.data_ptr() % 16, graphed._graphs.get(batch_signature(batch))
 
             def table(c: Any = captured, batch: Any = batch, logits: Any = logits) -> None:
-                c._fill(logits, batch, ())  # a slot's graph writes its own outputs
+                # the slot's own host table, read by its graph in place; the request number
+                # written as slot.request() writes it, without advancing it (no fetch follows)
+                c._fill(slot.host, logits, batch, ())  # the slot's graph writes its outputs
+                slot.host[-2] = slot.seq
+
+            def upload(c: Any = captured, batch: Any = batch, logits: Any = logits) -> None:
+                c._fill(c.host, logits, batch, c.outputs)  # the copy-out path's table
                 c._upload()
 
             calls = {
@@ -248,12 +257,13 @@ def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> lis
                 "plan + graphed lookup": lookup,
                 "GraphedStep checks": own_checks,
                 "free slot lookup": lambda c=captured: next(s for s in c.slots if s.free()),
-                "argument table (write + copy)": table,
+                "slot's argument table (write)": table,
                 "graph replay": slot.graph.replay,
                 "whole call": step,
                 "output allocations (slots held)": lambda c=captured: [
                     torch.empty_like(o) for o in c.outputs
                 ],
+                "argument table (write + copy, slots held)": upload,
                 "whole call, every slot held": step,
             }
             got = {}

@@ -120,10 +120,12 @@ def topp_variants() -> Iterator[VariantKey]:
 
 def graph_variants() -> Iterator[VariantKey]:
     """A step replayed from a CUDA graph (:mod:`shardmax.runtime.graphs`): the byte copies
-    between the addresses of the step's argument table; the padded sub-batch of a per-request
+    between the addresses of the step's argument table; the fetch of an output slot's table
+    from host memory; the padded sub-batch of a per-request
     resolution replayed from one (``CapturedResolution``), per logits dtype, and the write of its
     answers into the step's outputs."""
     yield VariantKey("table_copy")
+    yield VariantKey("table_fetch")
     for dtype in DTYPES:
         yield VariantKey("resolve_fill", dtype=dtype)
     yield VariantKey("resolve_apply")
@@ -152,6 +154,7 @@ TEMPLATE_OF_FAMILY = {
     "strict_replay": "strict_replay.py.j2",
     "strict_lse": "strict_lse.py.j2",
     "table_copy": "table_copy.py.j2",
+    "table_fetch": "table_fetch.py.j2",
     "resolve_fill": "resolve_fill.py.j2",
     "resolve_apply": "resolve_apply.py.j2",
     "topp_hist": "topp_hist.py.j2",
@@ -187,6 +190,7 @@ def template_context(key: VariantKey) -> dict[str, object]:
         "row_params",
         "strict_lse",
         "table_copy",
+        "table_fetch",
         "resolve_apply",
     ):
         ctx.update(

@@ -584,6 +584,14 @@ SLT)
   tar -czf "$OUT/SLT.tar.gz" -C "$OUT" sampled_tuned 2>/dev/null
   rm -rf "$OUT/sampled_tuned"
   ;;
+GT)
+  # after a change of the replayed step: the graph GPU tests, then its host costs
+  graph_tests GT 300
+  stamp "host costs"
+  timeout "$(left 470)" python3 -m benchmarks.host_costs --out "$OUT/host_costs" \
+    >"$OUT/host_costs_GT.log" 2>&1
+  echo "  rc=$?"; grep -E " rows=|Error" "$OUT/host_costs_GT.log"
+  ;;
 GL)
   graph_tests GL 300
   OUT=$OUT bash "$0" LA

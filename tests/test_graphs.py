@@ -348,6 +348,36 @@ def test_changes_to_dropped_outputs_stay_with_them(how: str) -> None:
     assert sum(s.retired for s in captured.slots) == (how == "resize_")
 
 
+def test_a_slot_whose_table_is_not_fetched_yet_is_skipped() -> None:
+    """A slot's host table is rewritten only after the GPU acknowledged its previous fetch:
+    a slot without the acknowledgement (a GPU still behind the host, played here by resetting
+    the word) is passed over for the next one; with none acknowledged the step copies out into
+    new tensors; each result == the plan's run, and every fetch acknowledges its request."""
+    r = _replayed()
+    (captured,) = r.step._graphs.values()
+    slots = captured.slots
+    for s in slots:
+        assert s.host[-1] == s.seq  # request 0 fetched at the slot's making
+    first = r.run(0)
+    a = next(s for s in slots if s.static[0].data_ptr() == first[0].data_ptr())
+    del first
+    assert a.host[-1] == a.host[-2] == a.seq == 1
+    a.host[-1] = 0  # not fetched yet
+    got = r.run(1)
+    assert _equal(got, r.refs[1]) and got[0].data_ptr() != a.static[0].data_ptr()
+    del got
+    for s in slots:
+        s.host[-1] = -1
+    got = r.run(2)
+    assert _equal(got, r.refs[2])
+    assert all(got[0].data_ptr() != s.static[0].data_ptr() for s in slots)  # copied out
+    assert all(s.host[-1] == -1 for s in slots)  # no slot's table written
+    for s in slots:
+        s.host[-1] = s.seq  # fetched at last
+    got = r.run(3)
+    assert _equal(got, r.refs[3]) and any(got[0].data_ptr() == s.static[0].data_ptr() for s in slots)
+
+
 def test_empty_batch_runs_the_plan() -> None:
     shard = _shard(1031, torch.bfloat16, "cpu")
     plan = shard.greedy_verify(0)
@@ -394,6 +424,39 @@ def test_gpu_replay_equals_launches_twice(mix: str, reqs: int) -> None:
 @pytest.mark.parametrize("mix", ["greedy", "temperature", "top_p", "strict", "top_p_hist"])
 def test_gpu_held_outputs_are_never_rewritten(mix: str) -> None:
     _slot_steps(mix, 200064, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", ["greedy", "temperature"])
+def test_gpu_host_far_ahead_never_rewrites_an_unfetched_table(mix: str) -> None:
+    """The GPU held up (a sleep kernel queued first) while the host makes many steps, each
+    with its own logits and batch tensors, dropping each step's outputs after queueing a copy
+    of them: the slots' host tables are not yet fetched, so after one step per slot the steps
+    copy out; once the GPU catches up every copy == the plan's run on its own step, and every
+    slot's last request is acknowledged."""
+    steps = _gpu_steps(mix, 151936, 8, 2 * graphs.SLOTS + 2)
+    rows = steps[0].logits.shape[0]
+    shard = _shard(151936, torch.bfloat16, "cuda")
+    plan = _plan(shard, rows, mix)
+    step = shard.graphed(plan)
+    batches = [_batch(t, mix) for t in steps]
+    refs = [plan.run(t.logits, b) for t, b in zip(steps, batches, strict=True)]
+    for _ in range(graphs.CAPTURE_AFTER):
+        step.run(steps[0].logits, batches[0])
+    (captured,) = step._graphs.values()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s: the host runs ahead of the GPU
+    copies = []
+    for t, b in zip(steps, batches, strict=True):
+        got = step.run(t.logits.clone(), b)
+        copies.append([x.clone() for x in got])
+        del got
+    pending = sum(s.host[-1] != s.seq for s in captured.slots)
+    torch.cuda.synchronize()
+    assert pending == graphs.SLOTS, "the GPU caught up too early to test anything"
+    for i, (got, ref) in enumerate(zip(copies, refs, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(got, ref, strict=True)), f"step {i}"
+    assert all(s.host[-1] == s.seq for s in captured.slots)
 
 
 @pytest.mark.gpu

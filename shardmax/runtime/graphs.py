@@ -101,45 +101,62 @@ def batch_signature(batch: Any) -> tuple[Any, ...]:
 
 
 class _Slot:
-    """Static outputs of one replay (and, on a GPU, the graph that writes them). The static
-    tensors never leave the slot: a step gets new aliases of them (``detach()``: new tensor
-    objects on the same memory), so whatever a caller does to its tensors' shape, strides or
-    storage (``unsqueeze_``, ``set_``, ...) stays with that step's tensors, and any holder of
+    """Static outputs of one replay (and, on a GPU, the graph that writes them), and the slot's
+    own argument table in page-locked host memory that the graph fetches (``table_fetch``) at
+    its start.
+
+    The static tensors never leave the slot: a step gets new aliases of them (``detach()``: new
+    tensor objects on the same memory), so whatever a caller does to its tensors' shape, strides
+    or storage (``unsqueeze_``, ``set_``, ...) stays with that step's tensors, and any holder of
     an alias -- a tensor, a view, the storage object, a C++ reference such as an autograd saved
-    tensor or an asynchronous collective's handle -- holds the storage."""
+    tensor or an asynchronous collective's handle -- holds the storage.
 
-    __slots__ = ("_idle", "_ptrs", "_storages", "graph", "retired", "static")
+    The host table (``host``: ``[entries, request, acknowledgement]``) is rewritten only once
+    the GPU has fetched it for the slot's previous step: each step writes its request number,
+    the fetch writes it back as the acknowledgement, and until it has, the slot is not free."""
 
-    def __init__(self, outputs: list[torch.Tensor], graph: _Segments | None) -> None:
+    __slots__ = ("_ack", "_idle", "_ptrs", "_storages", "buf", "graph", "host", "retired",
+                 "seq", "static")  # fmt: skip
+
+    def __init__(
+        self, outputs: list[torch.Tensor], graph: _Segments | None, buf: torch.Tensor
+    ) -> None:
         # the static outputs (the graph's, or on the CPU the copy's destinations)
         self.static, self.graph = outputs, graph
+        self.buf, self.host = buf, buf.numpy()  # the slot's table: entries, request, ack
+        self._ack = len(self.host) - 1
+        self.seq = int(self.host[self._ack - 1])  # the last request written
         # held, not only counted: their Python objects are what a caller's untyped_storage()
         # returns (one per storage), so their reference counts are holders too
         self._storages = [t.untyped_storage() for t in outputs]
         self._ptrs = [t.data_ptr() for t in outputs]
         self.retired = False
-        self._idle = list(self._holders())  # the slot's own references only
+        self._idle = self._holders()  # the slot's own references only
 
-    def _holders(self) -> Iterator[int]:
+    def _holders(self) -> list[int]:
         """References to each storage's Python object, then the storage's use count (every
         tensor on it, whoever holds that tensor). One code path for the baseline and every
-        test: what the loop itself holds counts the same both times."""
+        test: what the comprehensions themselves hold counts the same both times."""
         assert _use_count is not None
-        for st in self._storages:
-            yield sys.getrefcount(st)
-        for st in self._storages:
-            yield _use_count(st._cdata)
+        refs = [sys.getrefcount(st) for st in self._storages]
+        return refs + [_use_count(st._cdata) for st in self._storages]
 
     def free(self) -> bool:
-        """Whether nothing outside the slot refers to its memory (no more references than at
-        the slot's making). A slot whose memory moved (a caller's ``resize_`` that had to grow
-        the storage) is retired: its graph would write where the memory was."""
-        if self.retired:
+        """Whether the GPU has fetched the slot's table for its last step and nothing outside
+        the slot refers to its memory (no more references than at the slot's making). A slot
+        whose memory moved (a caller's ``resize_`` that had to grow the storage) is retired: its
+        graph would write where the memory was."""
+        if self.retired or self.host[self._ack] != self.seq:
             return False
-        if any(t.data_ptr() != p for t, p in zip(self.static, self._ptrs, strict=True)):
+        if [st.data_ptr() for st in self._storages] != self._ptrs:
             self.retired = True
             return False
-        return all(n <= idle for n, idle in zip(self._holders(), self._idle, strict=True))
+        return all(map(int.__le__, self._holders(), self._idle))
+
+    def request(self) -> None:
+        """Marks the table just written as this step's: the fetch acknowledges it."""
+        self.seq += 1
+        self.host[self._ack - 1] = self.seq
 
     def take(self) -> list[torch.Tensor]:
         """This step's tensors: new aliases of the static outputs."""
@@ -204,7 +221,7 @@ class _Captured:
 
     def _setup(self, logits: torch.Tensor, batch: Any) -> None:
         """Warm-up runs (compile, size the outputs), the full table, the capture on a GPU."""
-        self._fill(logits, batch, ())
+        self._fill(self.host, logits, batch, ())
         self._upload()
         res = self._body(copy_out=False)  # compiles; sizes the outputs
         self.make: Callable[[list[Any]], Any] = getattr(type(res), "_make", tuple)
@@ -220,7 +237,7 @@ class _Captured:
             self.host[n + 3 * j + 2] = _nbytes(t)
         self._set_table(len(self.host))
         if self.device.type == "cuda":
-            self._fill(logits, batch, self.outputs)
+            self._fill(self.host, logits, batch, self.outputs)
             self._upload()
             self._body(copy_out=True)  # warm-up of the whole step (table_copy compiled)
             graph = _Segments(self.plan.ctx)
@@ -247,13 +264,31 @@ class _Captured:
                 self.slots = slots
 
     def _slot(self) -> _Slot:
-        """A new output slot: on a GPU the step without the copy-out captured (its graph's own
-        outputs are the slot's), on the CPU tensors the eager copy writes."""
+        """A new output slot: its host table (page-locked on a GPU, so the GPU reads it in
+        place), fetched once eagerly (which compiles the fetch and acknowledges request 0); on a
+        GPU the step without the copy-out captured behind the fetch (its graph's own outputs are
+        the slot's), on the CPU tensors the eager copy writes."""
+        n = len(self.host)
+        buf = torch.empty(n + 2, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        host = buf.numpy()
+        host[:n] = self.host
+        host[n:] = (0, -1)  # request 0, not acknowledged yet
+        self._fetch(buf)
         if self.device.type != "cuda":
-            return _Slot([torch.empty_like(t) for t in self.outputs], None)
+            return _Slot([torch.empty_like(t) for t in self.outputs], None, buf)
+
+        def body() -> Any:
+            self._fetch(buf)
+            return self._body(copy_out=False)
+
         graph = _Segments(self.plan.ctx)
-        outs = list(graph.capture(lambda: self._body(copy_out=False)))
-        return _Slot(outs, graph)
+        outs = list(graph.capture(body))
+        return _Slot(outs, graph, buf)
+
+    def _fetch(self, buf: torch.Tensor) -> None:
+        """``table_fetch``: a slot's host table into the device table, then its acknowledgement."""
+        fetch = kernels.kernel("table_fetch")
+        fetch((1,), self.table, buf, len(self.host), BLOCK=fetch.module.BLOCK)
 
     def _set_table(self, n: int) -> None:
         self.table = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -293,8 +328,9 @@ class _Captured:
             copy((len(outs),), self.table[n:], BLOCK=copy.module.BLOCK)
         return res
 
-    def _fill(self, logits: torch.Tensor, batch: Any, outs: Sequence[torch.Tensor]) -> None:
-        h = self.host
+    def _fill(
+        self, h: np.ndarray, logits: torch.Tensor, batch: Any, outs: Sequence[torch.Tensor]
+    ) -> None:
         h[0] = logits.data_ptr()
         for j, i in enumerate(self.fields):
             h[1 + 3 * j] = batch[i].data_ptr()
@@ -311,19 +347,28 @@ class _Captured:
             if self.slots[i].free():
                 slot, self._next = self.slots[i], (i + 1) % n
                 break
-        # every slot held (or none): new outputs, the copy-out graph
-        outs = [torch.empty_like(t) for t in self.outputs] if slot is None else slot.static
-        self._fill(logits, batch, outs if slot is None or slot.graph is None else ())
-        self._upload()
+        if slot is None:  # every slot held (or none): new outputs, the copy-out graph
+            outs = [torch.empty_like(t) for t in self.outputs]
+            self._fill(self.host, logits, batch, outs)
+            self._upload()
+            if self.static_logits is not None:
+                self.static_logits.copy_(logits)
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._body(copy_out=True)
+            return self.make(outs)
+        # the slot's own table, read by its graph in place: no copy call
+        self._fill(slot.host, logits, batch, () if slot.graph is not None else slot.static)
+        slot.request()
         if self.static_logits is not None:
             self.static_logits.copy_(logits)
-        if slot is not None and slot.graph is not None:
+        if slot.graph is not None:
             slot.graph.replay()
-        elif self.graph is not None:
-            self.graph.replay()
         else:
+            self._fetch(slot.buf)
             self._body(copy_out=True)
-        return self.make(outs if slot is None else slot.take())
+        return self.make(slot.take())
 
 
 def reads_logits_directly(plan: Any) -> bool:

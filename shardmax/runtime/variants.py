@@ -24,6 +24,7 @@ fixed order and are present only when the family has that axis::
     topp_combine_bf16               top-p replay, local stage: a row's split records -> its record
     topp_replay_bf16                top-p replay: the ranks' records -> each row's kept set
     table_copy                      a replayed step's byte copies between table-held addresses
+    table_fetch                     a replayed step's argument table, host buffer -> device
     resolve_fill_bf16               a resolution's padded sub-batch (synthetic rows, indices)
     resolve_apply                   a resolution's answers written into the step's outputs
 
@@ -52,6 +53,7 @@ FAMILIES = (
     "strict_replay",
     "strict_lse",
     "table_copy",
+    "table_fetch",
     "resolve_fill",
     "resolve_apply",
     "topp_hist",
@@ -66,6 +68,7 @@ UNROLLED_TP = (2, 4, 8)
 _NAME_RE = re.compile(
     r"^(?P<family>shard_keys|argmax_pick|verify_finish|sampled_record|sampled_finish"
     r"|sampled_draw|sampled_pick|sampled_merge|row_params|block_stats|strict_rebuild|strict_replay|strict_lse|table_copy"
+    r"|table_fetch"
     r"|resolve_fill|resolve_apply"
     r"|topp_hist|topp_combine|topp_replay)"
     r"(?:_(?P<dtype>bf16|fp16|fp32))?"
@@ -106,6 +109,7 @@ class VariantKey:
             "row_params",
             "strict_lse",
             "table_copy",
+            "table_fetch",
             "resolve_apply",
         ):
             if (self.dtype, self.align, self.block, self.tp, self.transport) != (None,) * 5:
