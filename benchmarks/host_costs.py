@@ -242,7 +242,8 @@ def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> lis
                 plan.ctx.check_logits(logits, plan.num_logits, plan.row_stride)
                 return logits.data_ptr() % 16, graphed._graphs.get(batch_signature(batch))
 
-            def table(c: Any = captured, batch: Any = batch, logits: Any = logits) -> None:
+            def table(c: Any = captured, batch: Any = batch, logits: Any = logits,
+                      slot: Any = slot) -> None:  # fmt: skip
                 # the slot's own host table, read by its graph in place; the request number
                 # written as slot.request() writes it, without advancing it (no fetch follows)
                 c._fill(slot.host, logits, batch, ())  # the slot's graph writes its outputs

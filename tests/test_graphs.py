@@ -375,7 +375,9 @@ def test_a_slot_whose_table_is_not_fetched_yet_is_skipped() -> None:
     for s in slots:
         s.host[-1] = s.seq  # fetched at last
     got = r.run(3)
-    assert _equal(got, r.refs[3]) and any(got[0].data_ptr() == s.static[0].data_ptr() for s in slots)
+    assert _equal(got, r.refs[3]) and any(
+        got[0].data_ptr() == s.static[0].data_ptr() for s in slots
+    )
 
 
 def test_empty_batch_runs_the_plan() -> None:
