@@ -95,9 +95,11 @@ def _nbytes(t: torch.Tensor) -> int:
 def batch_signature(batch: Any) -> tuple[Any, ...]:
     """What a captured graph depends on besides the plan: each field of the
     :class:`~shardmax.runtime.validation.StepBatch` -- a tensor by its dtype and length (every
-    tensor of a checked batch is contiguous) and device, K and absent tensors (None) as they
-    are."""
-    return tuple([(t.dtype, t.shape[0], t.device) if type(t) is torch.Tensor else t for t in batch])
+    tensor of a checked batch is contiguous) and device index (``get_device()``: -1 on the CPU;
+    no ``torch.device`` object made), K and absent tensors (None) as they are."""
+    return tuple(
+        [(t.dtype, t.shape[0], t.get_device()) if type(t) is torch.Tensor else t for t in batch]
+    )
 
 
 class _Slot:
@@ -115,8 +117,8 @@ class _Slot:
     the GPU has fetched it for the slot's previous step: each step writes its request number,
     the fetch writes it back as the acknowledgement, and until it has, the slot is not free."""
 
-    __slots__ = ("_ack", "_idle", "_ptrs", "_storages", "buf", "graph", "host", "retired",
-                 "seq", "static")  # fmt: skip
+    __slots__ = ("_ack", "_cdata", "_idle", "_ptrs", "_storages", "buf", "graph", "host",
+                 "retired", "seq", "static")  # fmt: skip
 
     def __init__(
         self, outputs: list[torch.Tensor], graph: _Segments | None, buf: torch.Tensor
@@ -129,6 +131,7 @@ class _Slot:
         # held, not only counted: their Python objects are what a caller's untyped_storage()
         # returns (one per storage), so their reference counts are holders too
         self._storages = [t.untyped_storage() for t in outputs]
+        self._cdata = [st._cdata for st in self._storages]  # stable: the storages are held
         self._ptrs = [t.data_ptr() for t in outputs]
         self.retired = False
         self._idle = self._holders()  # the slot's own references only
@@ -139,7 +142,7 @@ class _Slot:
         test: what the comprehensions themselves hold counts the same both times."""
         assert _use_count is not None
         refs = [sys.getrefcount(st) for st in self._storages]
-        return refs + [_use_count(st._cdata) for st in self._storages]
+        return refs + [_use_count(cd) for cd in self._cdata]
 
     def free(self) -> bool:
         """Whether the GPU has fetched the slot's table for its last step and nothing outside
