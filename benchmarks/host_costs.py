@@ -29,7 +29,8 @@ shardmax's launcher): what a step's launches and replays cost the host.
 
 **3. The replayed call by part.** Host microseconds of the engine benchmark's ``shardmax`` call
 (``benchmarks.engine``: the plug-in's call without the flag read, replayed from the plan's CUDA
-graph) on realistic traffic (V = 200064, bf16, K = 3), whole and part by part, each part timed
+graph) on realistic traffic (V = 200064, bf16, K = 3; greedy, temperature and top-p steps, the
+last through the candidates plan), whole and part by part, each part timed
 alone behind the stand-in forward: the step's host checks (``check_step_batch``), the shard's
 cached plan and its graphed step, :class:`~shardmax.runtime.graphs.GraphedStep`'s own checks
 (logits, alignment, batch signature), finding a free output slot, the slot's argument table
@@ -199,6 +200,8 @@ PARTS = ("check_step_batch", "plan + graphed lookup", "GraphedStep checks", "fre
          "output allocations (slots held)", "argument table (write + copy, slots held)",
          "whole call, every slot held")  # fmt: skip
 NOT_IN_CALL = PARTS[7:]
+MIXES = ("greedy", "temperature", "top_p")
+"""Section 3's request mixes (``benchmarks.engine``'s): top-p steps through the candidates plan."""
 
 
 def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> list[dict[str, Any]]:
@@ -208,8 +211,13 @@ def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> lis
     from shardmax.runtime.validation import check_step_batch
     from shardmax.testing.traffic import realistic_batch
 
+    def plan_of(shard: Any, n: int, mix: str) -> Any:  # the engine step's plan
+        if mix == "greedy":
+            return shard.greedy_verify(n)
+        return shard.verify(n, with_candidates=mix == "top_p")
+
     out = []
-    for mix in ("greedy", "temperature"):
+    for mix in MIXES:
         for rows in rows_list:
             t = realistic_batch(max(1, rows // 4), 3, vocab, seed=rows, mix=mix, device="cuda")
             step = _shardmax_step(t, mix, (None, None))
@@ -228,14 +236,13 @@ def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> lis
 
             batch = check()
             shard = step.shard  # type: ignore[attr-defined]  # the step's VocabShard
-            plan = shard.greedy_verify(n) if mix == "greedy" else shard.verify(n)
+            plan = plan_of(shard, n, mix)
             graphed = shard.graphed(plan)
             captured = graphed._graphs[batch_signature(batch)]  # this batch's captured step
             slot = captured.slots[0]  # the slot every call of this loop gets (none is held)
 
             def lookup(shard: Any = shard, n: int = n, mix: str = mix) -> Any:
-                p = shard.greedy_verify(n) if mix == "greedy" else shard.verify(n)
-                return shard.graphed(p)
+                return shard.graphed(plan_of(shard, n, mix))
 
             def own_checks(plan: Any = plan, graphed: Any = graphed, batch: Any = batch,
                            logits: Any = logits) -> Any:  # fmt: skip

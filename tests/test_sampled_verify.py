@@ -506,6 +506,32 @@ def test_top_p_min_p_match_reference(tp: int, fp64: bool, dtype: str, splits: in
     assert int((simple & ~got.fallback).sum()) >= int(simple.sum()) // 2, got.fallback
 
 
+def test_fp32_top_p_is_used_as_given_and_equals_its_fp64_widening() -> None:
+    """vLLM keeps top-p in fp32: the step's checks keep that tensor itself (no host cast, which
+    would launch a kernel every step) and the kernels widen it exactly, so every output ==
+    the run on the fp64 copy; other float dtypes are cast to fp32."""
+    from shardmax.runtime.validation import check_step_batch
+
+    batch, temps = _batch(10, 3, 3001, seed=77, dtype=torch.bfloat16)
+    batch.logits.mul_(2.0)
+    top_p, _, _ = _nucleus_state(batch, 7, (1.0, 0.8, 0.9, 0.95), (0.0,), (0,))
+    a = batch.args()
+    checked = check_step_batch(
+        batch.logits.shape[0], batch.logits.device, *a, top_p=top_p, temperature=temps
+    )
+    assert checked.top_p is top_p
+    half = check_step_batch(
+        batch.logits.shape[0], batch.logits.device, *a, top_p=top_p.half(), temperature=temps
+    )  # fmt: skip
+    assert half.top_p is not None and half.top_p.dtype == torch.float32
+    runs = []
+    for p in (top_p, top_p.double()):
+        kw = dict(batch.kwargs(), top_p=p)
+        runs.append(emulate_verify(batch.logits, 2, *a[:5], temps, *a[5:], **kw))
+    assert all(torch.equal(x, y) for x, y in zip(*runs, strict=True))
+    assert int((top_p[batch.idx_mapping.long()] < 1).sum()) >= 2
+
+
 def test_top_p_guard_falls_back() -> None:
     """A nucleus wider than the candidates and a tie at the nucleus boundary fall back; p close
     to 0 keeps only the top token; invalid top_p / min_p raise naming the argument."""

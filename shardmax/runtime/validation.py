@@ -139,9 +139,13 @@ def check_index_tensor(
 
 
 def check_float_tensor(
-    name: str, t: object, device: torch.device, dtype: torch.dtype | None = None
+    name: str,
+    t: object,
+    device: torch.device,
+    dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
 ) -> torch.Tensor:
-    """Validate a 1-D float tensor on ``device``; returns it contiguous (cast to ``dtype``)."""
+    """Validate a 1-D float tensor on ``device``; returns it contiguous, cast to ``dtype`` (a
+    tuple: kept when its dtype is one of them, else cast to the first)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:
@@ -150,7 +154,11 @@ def check_float_tensor(
         raise ValueError(f"{name}: expected 1 dim, got shape {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name}: on {t.device}, expected the logits' device {device}")
-    if dtype is not None and t.dtype != dtype:  # (a no-op .to() still costs ~2 us of host)
+    # (a no-op .to() still costs ~2 us of host, a real cast a kernel launch: ~10-70 us)
+    if type(dtype) is tuple:
+        if t.dtype not in dtype:
+            t = t.to(dtype[0])
+    elif dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     return t.contiguous()
 
@@ -170,7 +178,7 @@ class StepBatch(NamedTuple):
     prefill_len: torch.Tensor | None  # int32/int64 [max_num_reqs]
     temperature: torch.Tensor | None = None  # fp32 [max_num_reqs]
     top_k: torch.Tensor | None = None  # int32/int64 [max_num_reqs]
-    top_p: torch.Tensor | None = None  # fp64 [max_num_reqs]
+    top_p: torch.Tensor | None = None  # fp32 (as vLLM keeps it) or fp64 [max_num_reqs]
     min_p: torch.Tensor | None = None  # fp32 [max_num_reqs]
 
     @property
@@ -256,7 +264,11 @@ def check_step_batch(
         "temperature", temperature, dev, torch.float32
     )  # fmt: skip
     tk = None if top_k is None else check_index_tensor("top_k", top_k, dev)
-    tp = None if top_p is None else check_float_tensor("top_p", top_p, dev, torch.float64)
+    # fp32 (vLLM's) or fp64 as given, widened to fp64 where the kernels load it: a host cast
+    # would launch a kernel every step
+    tp = None if top_p is None else check_float_tensor(
+        "top_p", top_p, dev, (torch.float32, torch.float64)
+    )  # fmt: skip
     mp = None if min_p is None else check_float_tensor("min_p", min_p, dev, torch.float32)
     return StepBatch(draft, cu, pos_t, idx, seed_t, k, rates, lens, pre, temp, tk, tp, mp)
 
