@@ -155,7 +155,7 @@ def check_float_tensor(
     if t.device != device:
         raise ValueError(f"{name}: on {t.device}, expected the logits' device {device}")
     # (a no-op .to() still costs ~2 us of host, a real cast a kernel launch: ~10-70 us)
-    if type(dtype) is tuple:
+    if isinstance(dtype, tuple):
         if t.dtype not in dtype:
             t = t.to(dtype[0])
     elif dtype is not None and t.dtype != dtype:
