@@ -24,7 +24,7 @@ ordered on one stream; a plan's outputs are new tensors that the caller may keep
 
 For an engine that calls verification eagerly (vLLM's model runner V2), :meth:`VocabShard.graphed`
 wraps a plan's ``run`` in CUDA-graph replay (:mod:`shardmax.runtime.graphs`): the same outputs,
-bit for bit, for one table copy and one graph launch of host time per step::
+bit for bit, for a few writes into a host buffer and one graph launch of host time per step::
 
     step = shard.graphed(shard.greedy_verify(num_logits))
     sampled, num_sampled, num_rejected = step.run(local_logits, batch)   # every step

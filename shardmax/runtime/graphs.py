@@ -1,4 +1,4 @@
-"""A plan's run replayed from a CUDA graph: one host copy and one replay per step.
+"""A plan's run replayed from a CUDA graph: a few host writes and one replay per step.
 
 vLLM's model runner V2 calls verification eagerly, so every launch of a plan's ``run`` costs its
 host time (20-30 us per Triton launch on the H200's host, ~100-330 us per step). A captured
@@ -17,9 +17,9 @@ and a captured step is::
     static buffers, the logits read through table[0] -> table_copy (static outputs -> the
     tensors the caller gets)
 
-Per step the host writes the table's input entries (a numpy array, then one host->device copy)
-and replays a graph. The logits are never copied: the kernels load their address (16-byte
-aligned, checked here; otherwise the step runs eagerly). The batch tensors are copied byte for
+Per step the host writes the table's input entries and replays a graph. The logits are never
+copied: the kernels load their address (16-byte aligned, checked here; otherwise the step runs
+eagerly). The batch tensors are copied byte for
 byte, so the kernels see exactly what the eager ``run`` would.
 
 **Outputs without an allocation.** Besides the graph above (the *copy-out* graph) a captured
@@ -30,7 +30,8 @@ it: a tensor, a view, an autograd saved tensor, a collective's handle) and the r
 of their Python storage objects, both as they were when the slot was made -- and returns new
 aliases of the slot's outputs (``detach()``: new tensor objects on the same memory, so what a
 caller does to its tensors' shapes or storage stays with them). Only when every slot is held
-does it allocate new outputs and replay the copy-out graph. So a caller that keeps outputs
+does it allocate new outputs and replay the copy-out graph (its table written into a numpy
+array, then one host->device copy). So a caller that keeps outputs
 (vLLM keeps a step's until its asynchronous copy to the host is done) never sees them
 overwritten, and a steady state that drops them costs no output allocation (3 to 6
 ``torch.empty`` of ~3.5 us host each on the H200's host) and no copy kernel. A slot whose memory
@@ -39,14 +40,24 @@ a caller that drops its outputs while work on another stream still reads them mu
 that stream first (or keep a reference, as vLLM does), and a raw address (``data_ptr()``) keeps
 nothing alive.
 
+**No copy call either.** Each slot has its own argument table in page-locked host memory, which
+the GPU reads in place (unified addressing): the slot's graph starts with ``table_fetch``, one
+small kernel copying it into the device table, so a replayed step's host work is writing a few
+int64 into that buffer and one graph launch (a ``cudaMemcpyAsync`` through torch cost ~10-15 us
+of host time on the H200's host). The host must not rewrite a table the GPU has not read yet
+(the host may run steps ahead of the GPU): each step writes a request number after the
+entries, the fetch writes it back as an acknowledgement once its loads are done, and a slot
+whose last request is not acknowledged is not free (the step takes another slot, or copies
+out, whose upload is stream-ordered). No step ever waits for the GPU.
+
 One :class:`GraphedStep` per plan keeps its graphs per *batch signature* (requests, K, each
 batch tensor's presence, dtype and length): a new signature runs eagerly the first time and is
 captured the second (an engine's steady state repeats its shapes), at most
 :data:`MAX_GRAPHS` per plan, least recently used out. Capturing (the copy-out graph and the
 slots, all at once) synchronises the device; later steps of the signature never do.
-On the CPU (the Triton interpreter) there is no graph: the same table, copies and indirect
-launches run eagerly (a slot's outputs are written by the copy), so the CPU tests exercise
-everything except the capture itself.
+On the CPU (the Triton interpreter) there is no graph: the same tables, fetches, copies and
+indirect launches run eagerly (a slot's outputs are written by the copy), so the CPU tests
+exercise everything except the capture itself.
 
 At TP > 1 the capture is split at the step's collectives (:class:`_Segments`): graph, eager
 collective, graph, ... -- each collective runs on its recorded input between the replays and its
