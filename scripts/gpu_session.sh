@@ -75,6 +75,9 @@
 #                                   ahead, as vLLM's async scheduling), then its greedy rows with
 #                                   the host unbounded (--lookahead 0), same machine session
 #   bash scripts/gpu_session.sh GL  one H200: every graph GPU test, then stage LA
+#   bash scripts/gpu_session.sh GT  one H200: every graph GPU test, then the host costs
+#   bash scripts/gpu_session.sh TL  one H200: every graph GPU test, the sampled GPU tests that
+#                                   read top-p, then stage LA
 #   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
 #                                   benchmark (after a change of the resolution's host path)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
@@ -583,6 +586,19 @@ SLT)
   echo "  rc=$?"; grep -E "Error|DIFFER|!!" "$OUT/sampled_local_SLT.log" | head -5
   tar -czf "$OUT/SLT.tar.gz" -C "$OUT" sampled_tuned 2>/dev/null
   rm -rf "$OUT/sampled_tuned"
+  ;;
+TL)
+  # the replayed step's page-locked tables and fp32 top-p: the graph GPU tests, the sampled
+  # GPU tests that read top-p (fast mode, candidates; top-p steps against vLLM's chains), then
+  # stage LA in a fresh process (its own deadlines)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  graph_tests TL 260
+  stamp "sampled GPU tests reading top-p"
+  timeout "$(left 420)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py \
+    tests/test_resolve.py tests/test_topp_verify.py -k "fast_mode or candidate or top_p or topp" \
+    >"$OUT/topp_TL.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/topp_TL.log" | tail -8
+  OUT=$OUT bash "$0" LA
   ;;
 GT)
   # after a change of the replayed step: the graph GPU tests, then its host costs

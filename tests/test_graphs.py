@@ -350,9 +350,10 @@ def test_changes_to_dropped_outputs_stay_with_them(how: str) -> None:
 
 def test_a_slot_whose_table_is_not_fetched_yet_is_skipped() -> None:
     """A slot's host table is rewritten only after the GPU acknowledged its previous fetch:
-    a slot without the acknowledgement (a GPU still behind the host, played here by resetting
-    the word) is passed over for the next one; with none acknowledged the step copies out into
-    new tensors; each result == the plan's run, and every fetch acknowledges its request."""
+    the slot round robin would take next, without the acknowledgement (a GPU still behind the
+    host, played here by resetting the word), is passed over and keeps its table; with none
+    acknowledged the step copies out into new tensors; each result == the plan's run, and
+    every fetch acknowledges its request."""
     r = _replayed()
     (captured,) = r.step._graphs.values()
     slots = captured.slots
@@ -362,9 +363,12 @@ def test_a_slot_whose_table_is_not_fetched_yet_is_skipped() -> None:
     a = next(s for s in slots if s.static[0].data_ptr() == first[0].data_ptr())
     del first
     assert a.host[-1] == a.host[-2] == a.seq == 1
-    a.host[-1] = 0  # not fetched yet
+    victim = slots[captured._next]  # the slot the next step would take
+    victim.host[-1] = -1  # its last request not fetched yet
+    before = victim.host.copy()
     got = r.run(1)
-    assert _equal(got, r.refs[1]) and got[0].data_ptr() != a.static[0].data_ptr()
+    assert _equal(got, r.refs[1]) and got[0].data_ptr() != victim.static[0].data_ptr()
+    assert (victim.host == before).all()  # its table left as it was
     del got
     for s in slots:
         s.host[-1] = -1
@@ -378,6 +382,25 @@ def test_a_slot_whose_table_is_not_fetched_yet_is_skipped() -> None:
     assert _equal(got, r.refs[3]) and any(
         got[0].data_ptr() == s.static[0].data_ptr() for s in slots
     )
+
+
+def test_dropped_slots_keep_their_unfetched_tables_alive() -> None:
+    """A dropped slot whose last request the GPU has not fetched keeps its page-locked table
+    (a queued fetch still reads it and writes its acknowledgement into it) until the
+    acknowledgement arrives; fetched tables are let go at once."""
+    r = _replayed()
+    (captured,) = r.step._graphs.values()
+    pending, done = captured.slots[0], captured.slots[1]
+    pending.host[-1] = -1
+    ptr = pending.buf.data_ptr()
+    del captured, pending, done
+    r.step._graphs.clear()  # the signature evicted: its slots dropped
+    kept = [e for e in graphs._UNFETCHED if e[0].data_ptr() == ptr]
+    assert len(kept) == 1 and len(graphs._UNFETCHED) == 1
+    kept[0][1][kept[0][2]] = kept[0][3]  # the fetch arrives
+    del kept
+    graphs._release_fetched()
+    assert graphs._UNFETCHED == []
 
 
 def test_empty_batch_runs_the_plan() -> None:

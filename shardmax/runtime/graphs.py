@@ -94,6 +94,18 @@ SLOTS = 3
 """Output slots per captured batch signature (module docstring): the outputs a caller may hold
 while the next steps run without allocating (vLLM holds a step's while the next one runs)."""
 
+_UNFETCHED: list[tuple[torch.Tensor, np.ndarray, int, int]] = []
+"""Host tables of dropped slots whose last request the GPU had not fetched yet: (buffer, its
+numpy view, ack index, request), kept alive until acknowledged -- torch's page-locked allocator
+hands a freed buffer out again at once, while a queued fetch would still read it and write its
+acknowledgement into it."""
+
+
+def _release_fetched() -> None:
+    """Lets go of the kept host tables the GPU has fetched since."""
+    _UNFETCHED[:] = [e for e in _UNFETCHED if e[1][e[2]] != e[3]]
+
+
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 """References to a storage (torch's own liveness test of CUDA-graph outputs, in
 ``torch._inductor.cudagraph_trees``); without it no slot is used and every step copies out."""
@@ -146,6 +158,17 @@ class _Slot:
         self._ptrs = [t.data_ptr() for t in outputs]
         self.retired = False
         self._idle = self._holders()  # the slot's own references only
+        _release_fetched()
+
+    def __del__(self) -> None:
+        # a fetch still queued reads this table and writes its acknowledgement into it: the
+        # buffer must outlive it (module-level _UNFETCHED)
+        try:
+            if self.host[self._ack] != self.seq:
+                _UNFETCHED.append((self.buf, self.host, self._ack, self.seq))
+            _release_fetched()
+        except Exception:  # interpreter shutdown: nothing runs any more
+            pass
 
     def _holders(self) -> list[int]:
         """References to each storage's Python object, then the storage's use count (every
@@ -374,14 +397,18 @@ class _Captured:
             return self.make(outs)
         # the slot's own table, read by its graph in place: no copy call
         self._fill(slot.host, logits, batch, () if slot.graph is not None else slot.static)
-        slot.request()
         if self.static_logits is not None:
             self.static_logits.copy_(logits)
-        if slot.graph is not None:
-            slot.graph.replay()
-        else:
-            self._fetch(slot.buf)
-            self._body(copy_out=True)
+        slot.request()
+        try:
+            if slot.graph is not None:
+                slot.graph.replay()
+            else:
+                self._fetch(slot.buf)
+                self._body(copy_out=True)
+        except BaseException:  # the request may never be fetched: never wait for it
+            slot.retired = True
+            raise
         return self.make(slot.take())
 
 
