@@ -485,6 +485,49 @@ def test_gpu_host_far_ahead_never_rewrites_an_unfetched_table(mix: str) -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_failed_slot_capture_keeps_its_queued_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot capture that fails after the slot's eager fetch was queued (the GPU held up by a
+    sleep kernel): the step warns and copies out, the page-locked table stays alive until the
+    fetch has read it and acknowledged, then it is let go; every result == the plan's run."""
+    steps = _gpu_steps("greedy", 151936, 8, 3)
+    rows = steps[0].logits.shape[0]
+    shard = _shard(151936, torch.bfloat16, "cuda")
+    plan = _plan(shard, rows, "greedy")
+    step = shard.graphed(plan)
+    batches = [_batch(t, "greedy") for t in steps]
+    refs = [plan.run(t.logits, b) for t, b in zip(steps, batches, strict=True)]
+    real, real_fetch = graphs._Segments.capture, graphs._Captured._fetch
+    calls = {"n": 0}
+
+    def capture(self: Any, body: Callable[[], Any]) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first slot's capture (the copy-out graph's was first)
+            raise RuntimeError("simulated capture failure")
+        return real(self, body)
+
+    def fetch(self: Any, buf: torch.Tensor) -> None:
+        if calls["n"] == 1 and not torch.cuda.is_current_stream_capturing():
+            torch.cuda._sleep(100_000_000)  # the first slot's eager fetch queued behind ~50 ms
+        real_fetch(self, buf)
+
+    monkeypatch.setattr(graphs._Segments, "capture", capture)
+    monkeypatch.setattr(graphs._Captured, "_fetch", fetch)
+    step.run(steps[0].logits, batches[0])  # eager, counted
+    torch.cuda.synchronize()
+    graphs._UNFETCHED.clear()
+    with pytest.warns(RuntimeWarning, match="output slots .* not captured"):
+        got = step.run(steps[1].logits, batches[1])
+    kept = list(graphs._UNFETCHED)
+    assert len(kept) == 1 and kept[0][1][kept[0][2]] == -1, "the fetch ran too early to test"
+    del kept
+    torch.cuda.synchronize()
+    graphs._release_fetched()
+    assert graphs._UNFETCHED == []
+    assert _equal(got, refs[1])
+    assert _equal(step.run(steps[2].logits, batches[2]), refs[2])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mix", ["greedy", "temperature", "top_p_hist"])
 def test_gpu_replay_makes_no_host_sync(mix: str) -> None:
     steps = _gpu_steps(mix, 151936, 8, 3)

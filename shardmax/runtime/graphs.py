@@ -19,8 +19,8 @@ and a captured step is::
 
 Per step the host writes the table's input entries and replays a graph. The logits are never
 copied: the kernels load their address (16-byte aligned, checked here; otherwise the step runs
-eagerly). The batch tensors are copied byte for
-byte, so the kernels see exactly what the eager ``run`` would.
+eagerly). The batch tensors are copied byte for byte, so the kernels see exactly what the eager
+``run`` would.
 
 **Outputs without an allocation.** Besides the graph above (the *copy-out* graph) a captured
 signature keeps :data:`SLOTS` *output slots*: graphs of the same step without the final copy,
@@ -31,14 +31,14 @@ of their Python storage objects, both as they were when the slot was made -- and
 aliases of the slot's outputs (``detach()``: new tensor objects on the same memory, so what a
 caller does to its tensors' shapes or storage stays with them). Only when every slot is held
 does it allocate new outputs and replay the copy-out graph (its table written into a numpy
-array, then one host->device copy). So a caller that keeps outputs
-(vLLM keeps a step's until its asynchronous copy to the host is done) never sees them
-overwritten, and a steady state that drops them costs no output allocation (3 to 6
-``torch.empty`` of ~3.5 us host each on the H200's host) and no copy kernel. A slot whose memory
-moved (a caller's ``resize_`` that grew the storage), or whose replay raised, is retired. As with the caching allocator,
-a caller that drops its outputs while work on another stream still reads them must synchronise
-that stream first (or keep a reference, as vLLM does), and a raw address (``data_ptr()``) keeps
-nothing alive.
+array, then one host->device copy). So a caller that keeps outputs (vLLM keeps a step's until
+its asynchronous copy to the host is done) never sees them overwritten, and a steady state
+that drops them costs no output allocation (3 to 6 ``torch.empty`` of ~3.5 us host each on the
+H200's host) and no copy kernel. A slot whose memory moved (a caller's ``resize_`` that grew
+the storage), or whose replay raised, is retired. As with the caching allocator, a caller that
+drops its outputs while work on another stream still reads them must synchronise that stream
+first (or keep a reference, as vLLM does), and a raw address (``data_ptr()``) keeps nothing
+alive.
 
 **No copy call either.** Each slot has its own argument table in page-locked host memory, which
 the GPU reads in place (unified addressing): the slot's graph starts with ``table_fetch``, one
@@ -324,7 +324,11 @@ class _Captured:
             return self._body(copy_out=False)
 
         graph = _Segments(self.plan.ctx)
-        outs = list(graph.capture(body))
+        try:
+            outs = list(graph.capture(body))
+        except BaseException:  # the eager fetch may still be queued: keep its table until read
+            _UNFETCHED.append((buf, host, n + 1, 0))
+            raise
         return _Slot(outs, graph, buf)
 
     def _fetch(self, buf: torch.Tensor) -> None:
