@@ -512,7 +512,7 @@ def test_fp32_top_p_is_used_as_given_and_equals_its_fp64_widening() -> None:
     the run on the fp64 copy; other float dtypes are cast to fp32."""
     from shardmax.runtime.validation import check_step_batch
 
-    batch, temps = _batch(10, 3, 3001, seed=77, dtype=torch.bfloat16)
+    batch, temps = _batch(6, 3, 1031, seed=77, dtype=torch.bfloat16)
     batch.logits.mul_(2.0)
     top_p, _, _ = _nucleus_state(batch, 7, (1.0, 0.8, 0.9, 0.95), (0.0,), (0,))
     a = batch.args()
@@ -529,7 +529,8 @@ def test_fp32_top_p_is_used_as_given_and_equals_its_fp64_widening() -> None:
         kw = dict(batch.kwargs(), top_p=p)
         runs.append(emulate_verify(batch.logits, 2, *a[:5], temps, *a[5:], **kw))
     assert all(torch.equal(x, y) for x, y in zip(*runs, strict=True))
-    assert int((top_p[batch.idx_mapping.long()] < 1).sum()) >= 2
+    active = (top_p[batch.idx_mapping.long()] < 1) & (temps[batch.idx_mapping.long()] != 0)
+    assert int((active & ~runs[0].fallback).sum()) >= 1  # a top-p request verified sharded
 
 
 def test_top_p_guard_falls_back() -> None:
