@@ -72,8 +72,8 @@ import torch
 
 FIELDS = [
     "mix", "rows", "reqs", "vocab", "dtype", "tp", "path", "host_us_mean", "host_us_p50",
-    "host_us_p90", "host_us_p50_best_round", "gpu_us_loop", "gpu_us_graph", "step_us", "tokens_per_s", "accepted_per_req",
-    "fallback_rate", "host_sync", "steps", "forward_us", "note",
+    "host_us_p90", "host_us_p50_best_round", "gpu_us_loop", "gpu_us_graph", "step_us",
+    "tokens_per_s", "accepted_per_req", "fallback_rate", "host_sync", "steps", "forward_us", "note",
 ]  # fmt: skip
 HOST_TARGET_US = {"greedy": 50.0, "temperature": 100.0, "top_p": 100.0}
 """Issue 19's host budget per verification call: <= 50 us greedy, <= 100 us sampled."""
