@@ -499,9 +499,9 @@ def sampled_routing(tp: int) -> bool:
     ``$SHARDMAX_VLLM_SAMPLED`` = ``auto`` (default: at TP > 1 only), ``1`` (also at TP 1) or
     ``0`` (never). ``auto`` by measured cost: at TP 1 there is no all-gather to save, and in the
     engine loop on one H200 (``benchmarks/results/sm90/ENGINE.md``, V = 200064, T = 1, 4-512
-    rows) the plug-in's sampled call -- with its one host read of the flags, a sync -- gave 7-19 %
-    fewer tokens/s than vLLM's own chain (13-22 %, 8-22 % and 10-15 % in earlier runs); greedy steps stay
-    sharded at every TP (faster there).
+    rows) the plug-in's sampled call -- with its one host read of the flags, a sync -- gave
+    6.9-8.4 % fewer tokens/s than vLLM's own chain (10-14 %, 7-19 %, 13-22 %, 8-22 % and 10-15 %
+    in earlier runs); greedy steps stay sharded at every TP (faster there).
 
     Raises:
         ValueError: any other value (named, with the accepted ones).
