@@ -11,6 +11,8 @@ non-drawing requests, combined by atomic max or stored per split.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import triton
@@ -35,7 +37,8 @@ def _rows(width: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _params(rows: int, width: int) -> RowParams:
-    temp = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 0.9, 0.0])[:rows]  # row 6 greedy
+    # row 0 at T = +inf (-inf / T is NaN: the tail's masked lanes must stay -inf), row 6 greedy
+    temp = torch.tensor([math.inf, 0.7, 1.0, 1.3, 1.0, 0.9, 0.0])[:rows]
     draft = torch.tensor([5, BLOCK, -1, 10, 2 * BLOCK, width - 1, 3])[:rows]  # edges, a bonus row
     draft = torch.where(draft < 0, draft, draft % width)
     return RowParams(

@@ -34,3 +34,17 @@ def test_multi_tile_phase1_equals_one_pass_and_reference(tp, vocab, splits) -> N
     one, two, want = _both(batch, temps, tp, record_splits=splits, draw_splits=2)
     _assert_same(one, two, want)
     assert int((two.reason == FallbackReason.NON_FINITE).sum()) == 2
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_infinite_temperature_rows_with_a_tail(tp) -> None:
+    """T = +inf (the value checks take it; ``x = raw / T`` is 0 or NaN): the masked lanes of a
+    tail load ``-inf``, and ``-inf / inf`` is NaN -- phase 1 and the draw keep them ``-inf``, so
+    the two-phase step equals the one-pass step and the reference (before, every drafted row
+    with a tail was flagged NON_FINITE, and a bonus row drew a padding column)."""
+    batch, temps = _batch(5, 3, 1500, seed=tp, placeholder_prob=0.3)  # tails at every TP
+    temps[batch.idx_mapping.long()] = math.inf
+    one, two, want = _both(batch, temps, tp, record_splits=1, draw_splits=1)
+    _assert_same(one, two, want)
+    assert not bool(two.fallback.any())
+    assert int(two.sampled.max()) < 1500
