@@ -18,7 +18,17 @@ import shardmax
 from shardmax import reference
 from shardmax.runtime import dispatch
 from shardmax.testing import adversarial_logits, random_verify_batch, shard_like_vllm
-from tests._dist import run_ranks
+from tests._dist import RankPools, run_ranks
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    """The gloo tests' ranks: one group per world size, started once for the module's tests and
+    reused (:class:`tests._dist.RankPool`; a body that fails kills its pool, the next starts a
+    fresh one)."""
+    pools = RankPools("gloo")
+    yield pools
+    pools.close()
 
 
 def _same_on_all_ranks(t: torch.Tensor, world: int) -> None:
@@ -31,8 +41,10 @@ def _same_on_all_ranks(t: torch.Tensor, world: int) -> None:
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _verify_batch(step: int, vocab: int, dtype: torch.dtype):
-    return random_verify_batch(10, 3, vocab, seed=step, dtype=dtype, synthetic=(step == 1))
+def _verify_batch(step: int, vocab: int, dtype: torch.dtype, device: str):
+    """10 requests on GPUs, 5 on the CPU (each gloo rank runs its kernels in the interpreter)."""
+    reqs = 10 if device == "cuda" else 5
+    return random_verify_batch(reqs, 3, vocab, seed=step, dtype=dtype, synthetic=(step == 1))
 
 
 def _expected_verify(vocab: int, device: str) -> list[tuple[torch.Tensor, ...]]:
@@ -42,7 +54,7 @@ def _expected_verify(vocab: int, device: str) -> list[tuple[torch.Tensor, ...]]:
     which needs a device or the interpreter)."""
     out = []
     for step, dtype in enumerate(DTYPES):
-        batch = _verify_batch(step, vocab, dtype)
+        batch = _verify_batch(step, vocab, dtype, device)
         if device == "cuda":
             batch = dataclasses.replace(
                 batch,
@@ -79,7 +91,7 @@ def _parity_body(
             assert torch.equal(ids.cpu(), reference.argmax(full)), (transport, dtype)
             _same_on_all_ranks(ids, world)
 
-            batch = _verify_batch(step, vocab, dtype)
+            batch = _verify_batch(step, vocab, dtype, device)
             vshard = shard_like_vllm(batch.logits, world)[rank]
             args = [a.to(dev) if isinstance(a, torch.Tensor) else a for a in batch.args()]
             kwargs = {
@@ -148,12 +160,12 @@ def _mismatch_body(rank: int, world: int, device: str) -> None:
         )
 
 
-def test_gloo_two_ranks_parity() -> None:
-    run_ranks(_parity_body, 2, "gloo", "cpu", 5003, False, _expected_verify(5003, "cpu"))
+def test_gloo_two_ranks_parity(gloo: RankPools) -> None:
+    gloo.run(_parity_body, 2, "cpu", 5003, False, _expected_verify(5003, "cpu"))
 
 
-def test_gloo_geometry_mismatch_raises_on_every_rank() -> None:
-    run_ranks(_mismatch_body, 2, "gloo", "cpu")
+def test_gloo_geometry_mismatch_raises_on_every_rank(gloo: RankPools) -> None:
+    gloo.run(_mismatch_body, 2, "cpu")
 
 
 @pytest.mark.multigpu
@@ -242,9 +254,11 @@ def _peer_refusal_body(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("field", GEOMETRY_FIELDS)
-def test_gloo_geometry_changed_on_one_rank_at_a_later_call(world: int, field: str) -> None:
-    run_ranks(_later_change_body, world, "gloo", field, timeout=240)
+def test_gloo_geometry_changed_on_one_rank_at_a_later_call(
+    gloo: RankPools, world: int, field: str
+) -> None:
+    gloo.run(_later_change_body, world, field, timeout=240)
 
 
-def test_gloo_a_rank_refusing_its_inputs_stops_every_rank() -> None:
-    run_ranks(_peer_refusal_body, 2, "gloo", timeout=240)
+def test_gloo_a_rank_refusing_its_inputs_stops_every_rank(gloo: RankPools) -> None:
+    gloo.run(_peer_refusal_body, 2, timeout=240)

@@ -74,7 +74,7 @@ def test_every_variant_mixed_batch(dtype: str, block: int) -> None:
     tp = TPS[i % len(TPS)]
     fp64 = i % 2 == 1
     vocab = 1200 + 37 * i  # shards narrower than a block, padded shards
-    batch, temps = _batch(6, 3, vocab, seed=100 + i, dtype=TORCH_DTYPE[dtype], placeholder_prob=0.2)
+    batch, temps = _batch(4, 3, vocab, seed=100 + i, dtype=TORCH_DTYPE[dtype], placeholder_prob=0.2)
     got, want = _run(batch, temps, tp, fp64=fp64, block=block)
     flagged = _assert_equal_unflagged(got, want, batch, temps, tp)
     assert flagged <= 1  # random rows essentially never sit at the threshold
@@ -139,7 +139,7 @@ def test_greedy_rows_adversarial_on_gpu(
 @pytest.mark.parametrize("tp", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("fp64", [False, True])
 def test_tp_sizes_fp32_fp64(tp: int, fp64: bool) -> None:
-    batch, temps = _batch(5, 3, 2003, seed=tp * 11 + fp64, prefill_prob=0.2)
+    batch, temps = _batch(3, 3, 2003, seed=tp * 11 + fp64, prefill_prob=0.2)
     got, want = _run(batch, temps, tp, fp64=fp64, block=4096)
     assert _assert_equal_unflagged(got, want, batch, temps, tp) <= 1
 
@@ -149,7 +149,7 @@ def test_record_splits_are_virtual_ranks(tp: int, splits: int, fp64: bool) -> No
     """Several record programs per row and rank (the last split short or empty) give the same
     tokens and counts as one: the finish combines tp * splits records as it combines ranks.
     (Flags can differ only at the interval test's margin, which these random rows avoid.)"""
-    batch, temps = _batch(6, 3, 5003, seed=40 + tp, placeholder_prob=0.2, prefill_prob=0.2)
+    batch, temps = _batch(4, 3, 5003, seed=40 + tp, placeholder_prob=0.2, prefill_prob=0.2)
     batch.logits[2, :] = -math.inf  # an all -inf row: its request falls back (no finite logit)
     batch.logits[5, 1500] = math.nan  # NaN in one split of one rank
     a = batch.args()
@@ -216,7 +216,7 @@ def _nudge(x: float, ulps: int) -> float:
     return float(t)
 
 
-def _margin_batch(seed: int, vocab: int = 1000, num_reqs: int = 10):
+def _margin_batch(seed: int, vocab: int = 1000, num_reqs: int = 6):
     """Every request's first draft sits within ~1 ulp of vLLM's acceptance threshold."""
     batch, _ = _batch(num_reqs, 2, vocab, seed=seed, placeholder_prob=0.0, prefill_prob=0.0)
     gen = torch.Generator().manual_seed(seed)
@@ -261,8 +261,8 @@ def test_ulp_margin_rows_are_flagged(seed: int, tp: int) -> None:
 def test_exact_vs_fp32_disagreements_are_flagged() -> None:
     """Count rows where vLLM-style fp32 decisions differ from exact arithmetic: all flagged."""
     disagree = flagged_disagree = 0
-    for seed in (11, 12):
-        batch, temps, targets = _margin_batch(seed, num_reqs=12)
+    for seed in (20, 21):  # 2 + 2 rows where fp32 and exact arithmetic disagree
+        batch, temps, targets = _margin_batch(seed, num_reqs=6)
         got, _ = _run(batch, temps, 2, block=2048)
         cu = batch.cu_num_logits.tolist()
         slots = batch.idx_mapping.long()
@@ -280,6 +280,7 @@ def test_exact_vs_fp32_disagreements_are_flagged() -> None:
             if fp32_dec != (exact > float(log_u[0])):
                 disagree += 1
                 flagged_disagree += int(bool(got.fallback[r]))
+    assert disagree > 0  # the seeds plant disagreements: the check below is not vacuous
     assert flagged_disagree == disagree
 
 
@@ -288,10 +289,12 @@ def test_exact_vs_fp32_disagreements_are_flagged() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _topk_batch(seed: int, vocab: int, ks: tuple[int, ...], dtype=torch.float32, **kw):
+def _topk_batch(
+    seed: int, vocab: int, ks: tuple[int, ...], dtype=torch.float32, num_reqs: int = 5, **kw
+):
     """A mixed batch whose sampled requests get a top-k from ``ks`` (0 = off), with ties planted
     at the k-th value of every row of those requests (the 3 next values set equal to it)."""
-    batch, temps = _batch(8, 3, vocab, seed=seed, dtype=dtype, **kw)
+    batch, temps = _batch(num_reqs, 3, vocab, seed=seed, dtype=dtype, **kw)
     gen = torch.Generator().manual_seed(seed)
     slots = batch.idx_mapping.long()
     top_k = torch.zeros(batch.max_num_reqs, dtype=torch.int64)
@@ -487,7 +490,7 @@ def test_top_p_min_p_match_reference(tp: int, fp64: bool, dtype: str, splits: in
     """Top-p 0.8/0.9/0.95 (and off), min-p 0.05 (and off), top-k 20 (and off) mixed with
     temperatures and greedy rows: every non-fallback request == the reference (exact nucleus),
     and most top-p / min-p requests run sharded."""
-    batch, temps = _batch(10, 3, 3001, seed=300 + tp, dtype=TORCH_DTYPE[dtype])
+    batch, temps = _batch(6, 3, 3001, seed=300 + tp, dtype=TORCH_DTYPE[dtype])
     batch.logits.mul_(2.0)  # peaked rows: nuclei of a few ids, as most decode steps
     top_p, min_p, top_k = _nucleus_state(batch, tp, (1.0, 0.8, 0.9, 0.95), (0.0, 0.05), (0, 20))
     a = batch.args()

@@ -112,7 +112,7 @@ def _margin_batch(seed: int, vocab: int = 9001):
 
     from shardmax.runtime.gumbel import acceptance_uniform_triton
 
-    b, temps = _batch(seed, vocab, 2, torch.float32, (0.7, 1.0, 1.3), num_reqs=8)
+    b, temps = _batch(seed, vocab, 2, torch.float32, (0.7, 1.0, 1.3), num_reqs=5)
     slots = b.idx_mapping.long()
     cu = b.cu_num_logits.tolist()
     gen = torch.Generator().manual_seed(seed)

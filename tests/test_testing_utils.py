@@ -405,6 +405,6 @@ def test_demo_runs_end_to_end_on_a_small_geometry(capsys: pytest.CaptureFixture[
     only when every part equals its reference."""
     from shardmax import demo
 
-    assert demo.main(["--vocab", "9001", "--tp", "3", "--rows", "8", "--reqs", "4"]) == 0
+    assert demo.main(["--vocab", "9001", "--tp", "3", "--rows", "8", "--reqs", "2"]) == 0
     out = capsys.readouterr().out
     assert "[sampled]" in out and "strict:" in out and "== reference on the others: True" in out

@@ -50,13 +50,28 @@ SIGMA = torch.special.ndtri((torch.arange(200, dtype=torch.float64) + 0.5) / 200
 """A stand-in for vLLM's sigma table (the kernels and the reference read the same one)."""
 
 
-def _rows(vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """LM-like rows (both profiles), random-normal rows and constructed edge rows."""
+LM_ROWS, HOT_ROWS, NORMAL_ROWS = 2, 4, 1
+"""The CPU tests' rows of :func:`_rows` per kind (the hot ones, whose top-p
+:func:`_planted_top_p` plants, are ``range(LM_ROWS, LM_ROWS + HOT_ROWS)``): 15 rows in all, so
+that the 8 constructed rows keep the temperatures and top-p they had among 27 rows (6, 10, 3:
+row ``i`` takes ``_temps``' ``i % 4`` and the top-p list's ``i % 6``, and 27 - 15 = 12)."""
+
+
+def _rows(
+    vocab: int,
+    dtype: torch.dtype,
+    seed: int,
+    lm: int = LM_ROWS,
+    hot: int = HOT_ROWS,
+    normal: int = NORMAL_ROWS,
+) -> torch.Tensor:
+    """``lm`` LM-like rows, ``hot`` high-entropy ones, ``normal`` random-normal rows, then the
+    constructed edge rows (6) and level rows (2)."""
     gen = torch.Generator().manual_seed(seed)
     parts = [
-        lm_logits(6, vocab, seed=seed, dtype=dtype, profile=LM_PROFILE),
-        lm_logits(10, vocab, seed=seed + 1, dtype=dtype, profile=HOT),
-        (torch.randn(3, vocab, generator=gen) * 2.0).to(dtype),
+        lm_logits(lm, vocab, seed=seed, dtype=dtype, profile=LM_PROFILE),
+        lm_logits(hot, vocab, seed=seed + 1, dtype=dtype, profile=HOT),
+        (torch.randn(normal, vocab, generator=gen) * 2.0).to(dtype),
     ]
     x = lm_logits(6, vocab, seed=seed + 2, dtype=dtype, profile=HOT)
     top = x[0].float().max()
@@ -234,7 +249,7 @@ def test_kept_sets_match_reference(
     temp = _temps(rows)
     top_p = torch.tensor([(0.95, 0.8, 0.5, 0.99, 1.0, 0.95)[i % 6] for i in range(rows)])
     gen = torch.Generator().manual_seed(vocab)
-    for i, p in _planted_top_p(x, temp, range(6, 16), gen).items():
+    for i, p in _planted_top_p(x, temp, range(LM_ROWS, LM_ROWS + HOT_ROWS), gen).items():
         top_p[i] = p
     splits = 2 if vocab >= 16384 else 1
     recs = torch.stack(_records(x, temp, tp, tile0, 2048, splits))
@@ -355,7 +370,7 @@ def test_kernels_on_gpu(tp: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     vocab = 50257
-    x = _rows(vocab, torch.bfloat16, seed=tp).cuda()
+    x = _rows(vocab, torch.bfloat16, seed=tp, lm=6, hot=10, normal=3).cuda()
     rows = x.shape[0]
     temp = _temps(rows).cuda()
     top_p = torch.tensor([(0.95, 0.8, 0.5, 0.99, 1.0, 0.95)[i % 6] for i in range(rows)])

@@ -182,11 +182,11 @@ def test_a_draft_outside_the_kept_set_is_rejected():
     draft would be accepted about as often as not; over the kept set never."""
     row = torch.full((512,), 0.55)
     row[0], row[1] = 8.0, 7.9375
-    b = _planted(row, 0.4, drafts=1)
+    b = _planted(row, 0.4, drafts=1, reqs=4)
     config = PipelineConfig(Pipeline.SPLIT, TILE0)
     res = _run(b, 2, config)
     outs = _oracle(b, config)
-    assert _check(res, outs) == 8
+    assert _check(res, outs) == 4
     assert _masking_matters(b, outs) >= 2
     assert bool((res.num_sampled == 1).all()) and bool((res.sampled[:, 0] == 0).all())
 
@@ -199,10 +199,10 @@ def test_boundary_ties_are_flagged_not_guessed(pipeline):
     row = torch.full((512,), 0.55)
     row[0] = 8.0
     row[100:200] = 4.0
-    b = _planted(row, 0.5, drafts=None)
+    b = _planted(row, 0.5, drafts=None, reqs=4)
     config = PipelineConfig(pipeline, TILE0)
     res = _run(b, 2, config)
-    _check(res, _oracle(b, config))
+    assert _check(res, _oracle(b, config)) >= 1  # flagged and unflagged requests both
     assert int((res.reason == FallbackReason.TOPP_TIE).sum()) >= 2
 
 
