@@ -21,6 +21,25 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _share_the_cores_between_xdist_workers() -> None:
+    """Under pytest-xdist (``-n N``) every worker gets its share of the cores for torch's
+    intra-op threads, and so do the processes it starts (gloo ranks, AOT compiles), through
+    ``OMP_NUM_THREADS``: by default each worker would run as many OpenMP threads as the machine
+    has cores, and N workers' spinning threads on the same cores burn CPU time without doing
+    work (on 2 cores with ``-n 2``, the plain-torch reference tests took several times their
+    CPU time). Only the thread count changes; an ``OMP_NUM_THREADS`` set by the caller wins."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // max(1, int(workers)))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_the_cores_between_xdist_workers()
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -40,6 +40,26 @@ def _batch(num_reqs: int, k: int, vocab: int, seed: int, dtype=torch.float32, **
     return batch, temps
 
 
+def _batch_with(need: tuple[str, ...], num_reqs: int, k: int, vocab: int, seed: int, **kw):
+    """:func:`_batch` at the first seed ``seed + 1000 j`` whose few requests include each kind in
+    ``need``: ``"greedy"`` (T = 0), ``"sampled"`` (T > 0 verifying at least one draft),
+    ``"prefill"`` (a chunked-prefill request), ``"placeholder"`` (a -1 draft) -- so that a small
+    batch still meets what a larger random one met by chance."""
+    for s in range(seed, seed + 100_000, 1000):
+        batch, temps = _batch(num_reqs, k, vocab, s, **kw)
+        slots = batch.idx_mapping.long()
+        lens = torch.diff(batch.cu_num_logits.long())
+        has = {
+            "greedy": bool((temps[slots] == 0).any()),
+            "sampled": bool(((temps[slots] > 0) & (lens > 1)).any()),
+            "prefill": bool((batch.seq_lens < batch.prefill_len[slots]).any()),
+            "placeholder": bool((batch.draft_sampled == -1).any()),
+        }
+        if all(has[n] for n in need):
+            return batch, temps
+    raise AssertionError(f"no seed gives {need}")
+
+
 def _run(batch, temps, tp: int, *, fp64: bool = False, block: int | None = None, **extra):
     a = batch.args()
     kw = dict(batch.kwargs(), use_fp64_gumbel=fp64, **extra)
@@ -74,7 +94,10 @@ def test_every_variant_mixed_batch(dtype: str, block: int) -> None:
     tp = TPS[i % len(TPS)]
     fp64 = i % 2 == 1
     vocab = 1200 + 37 * i  # shards narrower than a block, padded shards
-    batch, temps = _batch(4, 3, vocab, seed=100 + i, dtype=TORCH_DTYPE[dtype], placeholder_prob=0.2)
+    need = ("greedy", "sampled", "prefill", "placeholder")
+    batch, temps = _batch_with(
+        need, 4, 3, vocab, 100 + i, dtype=TORCH_DTYPE[dtype], placeholder_prob=0.2
+    )
     got, want = _run(batch, temps, tp, fp64=fp64, block=block)
     flagged = _assert_equal_unflagged(got, want, batch, temps, tp)
     assert flagged <= 1  # random rows essentially never sit at the threshold
@@ -139,7 +162,9 @@ def test_greedy_rows_adversarial_on_gpu(
 @pytest.mark.parametrize("tp", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("fp64", [False, True])
 def test_tp_sizes_fp32_fp64(tp: int, fp64: bool) -> None:
-    batch, temps = _batch(3, 3, 2003, seed=tp * 11 + fp64, prefill_prob=0.2)
+    batch, temps = _batch_with(
+        ("greedy", "sampled", "prefill"), 3, 3, 2003, tp * 11 + fp64, prefill_prob=0.2
+    )
     got, want = _run(batch, temps, tp, fp64=fp64, block=4096)
     assert _assert_equal_unflagged(got, want, batch, temps, tp) <= 1
 
@@ -149,7 +174,11 @@ def test_record_splits_are_virtual_ranks(tp: int, splits: int, fp64: bool) -> No
     """Several record programs per row and rank (the last split short or empty) give the same
     tokens and counts as one: the finish combines tp * splits records as it combines ranks.
     (Flags can differ only at the interval test's margin, which these random rows avoid.)"""
-    batch, temps = _batch(4, 3, 5003, seed=40 + tp, placeholder_prob=0.2, prefill_prob=0.2)
+    batch, temps = _batch_with(
+        ("sampled", "prefill", "placeholder"), 4, 3, 5003, 40 + tp, placeholder_prob=0.2,
+        prefill_prob=0.2,
+    )  # fmt: skip
+    assert batch.logits.shape[0] >= 6
     batch.logits[2, :] = -math.inf  # an all -inf row: its request falls back (no finite logit)
     batch.logits[5, 1500] = math.nan  # NaN in one split of one rank
     a = batch.args()
