@@ -25,6 +25,10 @@ profile, drafts the top token 80 % of the time, no top-k / top-p; V = 200064 bf1
 ``greedy``        ``sharded_greedy_verify``'s plan on the same shard (temperature 0)
 ``greedy_rows``   ``sharded_verify``'s plan (the table's launch) on the same batch with every
                   request greedy (temperature 0): what a sampled step costs on greedy traffic
+``<m>_nopdl``     ``two_phase``, ``greedy`` and ``greedy_rows`` launched without programmatic
+                  dependent launch (:func:`shardmax.runtime.kernels.set_pdl` ``(False)`` while
+                  the call is captured and timed; outputs compared with the method's): what
+                  PDL gains (on a GPU that supports it; ``--no-pdl-ab`` leaves them out)
 
 Per method: CUDA-graph replay us per call (p20/p50/p80, L2-warm), eager host us per call (mean
 over ``--eager`` calls, each started on an idle GPU) and the HBM floor of the shard (its bytes read
@@ -125,7 +129,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from benchmarks import timing
     from shardmax.ops.greedy import GreedyVerifyPlan
     from shardmax.ops.sampled import RecordLaunch, SampledVerifyPlan, record_variant
-    from shardmax.runtime import dispatch
+    from shardmax.runtime import dispatch, kernels
     from shardmax.runtime.geometry import Geometry
     from shardmax.runtime.shard import ShardContext
     from shardmax.runtime.validation import check_step_batch
@@ -135,6 +139,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from shardmax.testing.vllm_chain import NativeChain, verify_inputs
 
     chain = {c.version: c for c in NativeChain.discover()}[args.vllm_version]
+    pdl_ab = not args.no_pdl_ab and kernels.pdl_supported(torch.cuda.current_device())
     bw = timing.copy_bandwidth_gbps("cuda")
     out: list[dict[str, Any]] = []
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -189,6 +194,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             )  # fmt: skip
             zplan = SampledVerifyPlan(ctx, local.shape[0], local.stride(0))
             paths["greedy_rows"] = functools.partial(zplan.run, local, zero_batch)
+            if pdl_ab:
+                for name in ("two_phase", "greedy", "greedy_rows"):
+                    paths[f"{name}_nopdl"] = functools.partial(_without_pdl, paths[name])
             for name, step in paths.items():
                 row = dict(common, method=name, kernel="", correct="", note="")
                 first, again = step(), step()
@@ -201,6 +209,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         if same
                         else "DIFFERS"
                     )
+                if name.endswith("_nopdl"):
+                    base = results.get(name[: -len("_nopdl")]) or paths[name[: -len("_nopdl")]]()
+                    row["note"] = "same bits as with PDL" if _same(first, base) else "DIFFERS"
+                    row["note"] += "" if _same(first, again) else "; NONDETERMINISTIC"
                 if name in ("one_pass", "two_phase", "one_pass_strict", "two_phase_strict"):
                     row["note"] = "deterministic" if _same(first, again) else "NONDETERMINISTIC"
                     results[name] = first
@@ -223,6 +235,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 print(f"!! tp={tp} rows={rows}: one_pass != two_phase", flush=True)
                 out[-1]["note"] = "ONE_PASS_DIFFERS"
     return out
+
+
+def _without_pdl(step: Callable[[], Any]) -> Any:
+    """``step()`` with programmatic dependent launch off (launched or captured that way)."""
+    from shardmax.runtime import kernels
+
+    before = kernels.set_pdl(False)
+    try:
+        return step()
+    finally:
+        kernels.set_pdl(before)
 
 
 def _phase1_grid(spec: str, width: int) -> list[tuple[int, int, int]]:
@@ -252,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager", type=int, default=200, help="eager calls timed per method")
     ap.add_argument("--vllm-version", default="0.33.0")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--no-pdl-ab", action="store_true", help="leave out the <m>_nopdl methods")
     ap.add_argument(
         "--draw-sweep",
         default="4,8,16,32,64,128",

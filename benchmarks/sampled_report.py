@@ -27,6 +27,32 @@ def _p50(rows: list[dict[str, Any]]) -> dict[tuple[int, int, str], float]:
     return out
 
 
+PDL_SUFFIX = "_nopdl"
+PDL_SHOWN = ("two_phase", "greedy", "greedy_rows")
+
+
+def pdl_section(p: dict[tuple[int, int, str], float]) -> list[str]:
+    """The ``<m>_nopdl`` methods against ``<m>``: what programmatic dependent launch gains."""
+    keys = sorted({(tp, n) for tp, n, m in p if m.endswith(PDL_SUFFIX)})
+    if not keys:
+        return []
+    out = ["## Programmatic dependent launch (graph p50 us, without PDL -> with it)", ""]
+    out.append("The same plans captured with PDL off (`shardmax.runtime.kernels.set_pdl(False)`) "
+               "and on, same run; every output compared bit for bit (Exactness below).")  # fmt: skip
+    out.append("")
+    out.append("| TP | rows | " + " | ".join(PDL_SHOWN) + " |")
+    out.append("|---|---" + "|---" * len(PDL_SHOWN) + "|")
+    for tp, n in keys:
+        cells = []
+        for m in PDL_SHOWN:
+            off, on = p.get((tp, n, m + PDL_SUFFIX)), p.get((tp, n, m))
+            cells.append("" if off is None or on is None else
+                         f"{off:.1f} -> {on:.1f} ({on - off:+.1f})")  # fmt: skip
+        out.append(f"| {tp} | {n} | " + " | ".join(cells) + " |")
+    out.append("")
+    return out
+
+
 SWEEP_PREFIX = "two_phase_p1_"
 DRAW_PREFIX = "two_phase_d"
 
@@ -59,6 +85,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
             gain = p[(tp, n, "one_pass")] / p[(tp, n, "two_phase")]
             out.append(f"| {n} | " + " | ".join(cells) + f" | {ratio:.2f} | {gain:.2f} |")
         out.append("")
+    out += pdl_section(p)
     sweep: dict[tuple[int, int], list[tuple[float, str, str]]] = defaultdict(list)
     for (tp, n, m), (_, note) in notes.items():
         if m.startswith(SWEEP_PREFIX) and (tp, n, m) in p:

@@ -97,10 +97,16 @@ def _compile(
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget(arch.backend, arch.target_arch, arch.warp_size)
+    options: dict[str, Any] = {"num_warps": num_warps}
+    constexprs = dict(constexprs)
+    if "PDL" in mod.SIGNATURE:  # as the runtime launches it: PDL on sm90, never on AMD
+        constexprs["PDL"] = arch.backend == "cuda"
+        if constexprs["PDL"]:
+            options["launch_pdl"] = True
     src = triton.compiler.ASTSource(
-        fn=mod.kernel, signature=dict(mod.SIGNATURE), constexprs=dict(constexprs)
+        fn=mod.kernel, signature=dict(mod.SIGNATURE), constexprs=constexprs
     )
-    compiled = triton.compile(src, target=target, options={"num_warps": num_warps})
+    compiled = triton.compile(src, target=target, options=options)
     if arch.backend == "cuda":
         res = _cuda_resources(compiled.asm["ptx"])
     else:

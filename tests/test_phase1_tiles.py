@@ -4,7 +4,8 @@
 tail. The two-phase tests elsewhere use shards of under two tiles per record program; here each
 program covers several whole tiles (and a tail, or none), with temperature-1 rows (no division)
 next to scaled ones, a NaN and a ``+inf`` in a middle tile: the step must equal the one-pass step
-and the reference exactly as ``tests/test_two_phase.py`` requires, and flag both rows.
+and the reference exactly as ``tests/test_two_phase.py`` requires, and flag both rows. On a GPU
+machine these run the compiled kernels (``device`` fixture), elsewhere the interpreter.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from tests.test_two_phase import _assert_same, _batch, _both
         (2, 9001, 1),  # shards of 4501 columns: 2 whole tiles + a tail
     ],
 )
-def test_multi_tile_phase1_equals_one_pass_and_reference(tp, vocab, splits) -> None:
-    batch, temps = _batch(5, 3, vocab, seed=vocab + splits, placeholder_prob=0.0)
+def test_multi_tile_phase1_equals_one_pass_and_reference(tp, vocab, splits, device) -> None:
+    batch, temps = _batch(5, 3, vocab, seed=vocab + splits, device=device, placeholder_prob=0.0)
     first = batch.cu_num_logits.long()  # every request's first row is always used
     batch.logits[first[1], 2048 * 2 + 17] = math.nan  # in the third tile
     batch.logits[first[2], 2048 + 5] = math.inf  # in the second tile
@@ -37,12 +38,12 @@ def test_multi_tile_phase1_equals_one_pass_and_reference(tp, vocab, splits) -> N
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_infinite_temperature_rows_with_a_tail(tp) -> None:
+def test_infinite_temperature_rows_with_a_tail(tp, device) -> None:
     """T = +inf (the value checks take it; ``x = raw / T`` is 0 or NaN): the masked lanes of a
     tail load ``-inf``, and ``-inf / inf`` is NaN -- phase 1 and the draw keep them ``-inf``, so
     the two-phase step equals the one-pass step and the reference (before, every drafted row
     with a tail was flagged NON_FINITE, and a bonus row drew a padding column)."""
-    batch, temps = _batch(5, 3, 1500, seed=tp, placeholder_prob=0.3)  # tails at every TP
+    batch, temps = _batch(5, 3, 1500, seed=tp, device=device, placeholder_prob=0.3)  # tails
     temps[batch.idx_mapping.long()] = math.inf
     one, two, want = _both(batch, temps, tp, record_splits=1, draw_splits=1)
     _assert_same(one, two, want)

@@ -30,12 +30,12 @@ from shardmax.testing.emulate import emulated_ranks
 TEMPS = (0.5, 0.7, 1.0, 1.3, 0.0)
 
 
-def _batch(reqs: int, k: int, vocab: int, seed: int, dtype=torch.float32, **kw):
+def _batch(reqs: int, k: int, vocab: int, seed: int, dtype=torch.float32, device="cpu", **kw):
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(reqs * (k + 1), vocab, generator=gen) * 3.0).to(dtype)
-    batch = random_verify_batch(reqs, k, vocab, seed=seed, logits=logits, **kw)
+    batch = random_verify_batch(reqs, k, vocab, seed=seed, logits=logits, device=device, **kw)
     temps = torch.tensor(TEMPS)[torch.randint(0, len(TEMPS), (batch.max_num_reqs,), generator=gen)]
-    return batch, temps
+    return batch, temps.to(device)
 
 
 def _both(batch, temps, tp: int, **kw):

@@ -17,6 +17,17 @@ Triton interpreter (CPU tensors) every launch goes through Triton, inside
 ``numpy.errstate`` that hides the RuntimeWarnings of lanes that are computed and then discarded
 (``-inf - -inf`` in masked lanes, ``x / T`` of greedy rows): the interpreter evaluates every lane
 of a ``tl.where`` in numpy, the compiled kernel never computes them.
+
+Programmatic dependent launch (PDL). A variant whose kernel takes a ``PDL`` constexpr (the
+templates that include ``_pdl.j2``: the kernels of one verification step) is launched with
+``PDL=True`` and Triton's ``launch_pdl`` on a CUDA device of compute capability 9.0 or newer:
+the next kernel of the stream (or of a captured graph) is then scheduled while the previous one
+finishes, and waits at its first statement for the previous kernel's writes, so a step of
+several small kernels loses about 0.5-1 us less per kernel between them (the launch latency;
+``benchmarks/results/sm90/sampled_tuned`` measures it). Everywhere else -- the interpreter, AMD,
+older GPUs, ``SHARDMAX_PDL=0`` in the environment, or :func:`set_pdl` ``(False)`` -- they get
+``PDL=False``, which compiles the wait out: the same kernel a plain launch runs. The outputs are
+the same bits either way (tests/test_pdl.py).
 """
 
 from __future__ import annotations
@@ -38,6 +49,36 @@ from shardmax.runtime.variants import parse_name
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Whether Triton was imported with the interpreter on (it must be set before Triton loads)."""
 _DIRECT = os.environ.get("SHARDMAX_DIRECT_LAUNCH", "1") != "0"
+_PDL_ON = os.environ.get("SHARDMAX_PDL", "1") != "0"
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Turn programmatic dependent launch on or off for later launches in this process (module
+    docstring; a CUDA graph keeps what was on when it was captured). Returns the previous
+    setting. The ``SHARDMAX_PDL`` environment variable (``0``: off) sets the initial one.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+    """
+    global _PDL_ON
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+    previous, _PDL_ON = _PDL_ON, enabled
+    return previous
+
+
+def pdl_supported(device_index: int) -> bool:
+    """Whether the CUDA device ``device_index`` can launch with PDL: NVIDIA (not ROCm), compute
+    capability 9.0 or newer, kernels compiled (not the interpreter). Cached per device."""
+    got = _PDL_DEVICES.get(device_index)
+    if got is None:
+        got = _PDL_DEVICES[device_index] = (
+            not INTERPRET
+            and torch.version.hip is None
+            and torch.cuda.get_device_capability(device_index)[0] >= 9
+        )
+    return got
 
 
 def check_device(t: torch.Tensor) -> None:
@@ -129,6 +170,7 @@ class Kernel:
         self._compiled: dict[Any, Any] = {}
         self._knobs = _knobs()
         self.num_warps: int | None = getattr(self.module, "NUM_WARPS", None)
+        self._pdl = "PDL" in self._names  # a kernel that includes templates/_pdl.j2
         self._direct = (
             _DIRECT
             and not INTERPRET
@@ -144,7 +186,13 @@ class Kernel:
         if self.num_warps is not None and "num_warps" not in kwargs:
             kwargs["num_warps"] = self.num_warps
         first = args[0] if args else None
-        if not self._direct or type(first) is not torch.Tensor or not first.is_cuda:
+        cuda = type(first) is torch.Tensor and first.is_cuda
+        if self._pdl:
+            on = cuda and _PDL_ON and pdl_supported(torch._C._cuda_getDevice())
+            kwargs["PDL"] = on
+            if on:
+                kwargs["launch_pdl"] = True
+        if not self._direct or not cuda:
             if isinstance(first, torch.Tensor) and first.device.type == "cpu":
                 check_device(first)
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -160,7 +208,13 @@ class Kernel:
         if key is None:
             return self._slow(grid, args, kwargs, None)
         device = torch._C._cuda_getDevice()
-        key = (key, kwargs.get("num_warps"), kwargs.get("num_stages"), device)
+        key = (
+            key,
+            kwargs.get("num_warps"),
+            kwargs.get("num_stages"),
+            kwargs.get("launch_pdl"),
+            device,
+        )
         compiled = self._compiled.get(key)
         if compiled is None:
             return self._slow(grid, args, kwargs, key)
