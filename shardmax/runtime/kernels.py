@@ -19,7 +19,7 @@ Triton interpreter (CPU tensors) every launch goes through Triton, inside
 of a ``tl.where`` in numpy, the compiled kernel never computes them.
 
 Programmatic dependent launch (PDL). A variant whose kernel takes a ``PDL`` constexpr (the
-templates that include ``_pdl.j2``: the kernels of one verification step) is launched with
+templates that include ``_pdl.j2``: every generated kernel) is launched with
 ``PDL=True`` and Triton's ``launch_pdl`` on a CUDA device of compute capability 9.0 or newer:
 the next kernel of the stream (or of a captured graph) is then scheduled while the previous one
 finishes, and waits at its first statement for the previous kernel's writes, so a step of
