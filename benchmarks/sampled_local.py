@@ -11,7 +11,8 @@ profile, drafts the top token 80 % of the time, no top-k / top-p; V = 200064 bf1
                   taken modulo ``W`` (the same work per column as a rank's shard)
 ``one_pass``      shardmax on rank 0's ``[rows, W]`` shard, fast mode, every record with its
                   Gumbel key (``phases=1``); the other ranks' bytes stood in by rank 0's
-                  (:class:`shardmax.testing.emulate.RepeatedRank`: the all_gather is a tile)
+                  (:class:`shardmax.testing.emulate.RepeatedRank`: the all_gather is a tile;
+                  at TP 1 none, as a real step of one rank)
 ``two_phase``     the same, two-phase (``phases=2``): records without noise, one drawn row per
                   request, a second small exchange
 ``one_pass_strict`` / ``two_phase_strict``   strict mode (vLLM's LSE bits)

@@ -408,3 +408,17 @@ def test_demo_runs_end_to_end_on_a_small_geometry(capsys: pytest.CaptureFixture[
     assert demo.main(["--vocab", "9001", "--tp", "3", "--rows", "8", "--reqs", "2"]) == 0
     out = capsys.readouterr().out
     assert "[sampled]" in out and "strict:" in out and "== reference on the others: True" in out
+
+
+def test_repeated_rank_tiles_and_a_group_of_one_returns_its_input():
+    """The single-GPU timing stand-in: TP > 1 tiles rank 0's bytes, TP 1 copies nothing (as the
+    runtime's own group of one), so a TP 1 timing has no copy a real step would not make."""
+    from shardmax.runtime.collectives import SingleRank
+    from shardmax.testing.emulate import RepeatedRank
+
+    t = torch.arange(6, dtype=torch.int64).view(1, 6)
+    assert RepeatedRank(1).all_gather_dim0(t) is t is SingleRank().all_gather_dim0(t)
+    got = RepeatedRank(3).all_gather_dim0(t)
+    assert got.shape == (3, 6) and torch.equal(got, t.expand(3, 6))
+    assert got.data_ptr() != t.data_ptr()
+    assert RepeatedRank(4).all_reduce_max(t) is t

@@ -65,13 +65,15 @@ class RepeatedRank:
     """A rank-0 stand-in group for single-GPU timing: every collective returns what ``tp``
     ranks would if the other ranks' bytes were rank 0's (``all_gather`` tiles, ``all_reduce``
     is the identity). Results are meaningless tokens of a real step; the work and the bytes
-    moved per rank are the real ones."""
+    moved per rank are the real ones. A group of one returns its input, as the runtime's own
+    group of one does (:class:`shardmax.runtime.collectives.SingleRank`): no copy that a TP 1
+    step would not make."""
 
     def __init__(self, tp: int) -> None:
         self.world_size, self.rank = tp, 0
 
     def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
-        return t.repeat(self.world_size, 1)
+        return t if self.world_size == 1 else t.repeat(self.world_size, 1)
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         return t
