@@ -28,8 +28,12 @@ profile, drafts the top token 80 % of the time, no top-k / top-p; V = 200064 bf1
                   request greedy (temperature 0): what a sampled step costs on greedy traffic
 ``<m>_nopdl``     ``two_phase``, ``greedy`` and ``greedy_rows`` launched without programmatic
                   dependent launch (:func:`shardmax.runtime.kernels.set_pdl` ``(False)`` while
-                  the call is captured and timed; outputs compared with the method's): what
-                  PDL gains (on a GPU that supports it; ``--no-pdl-ab`` leaves them out)
+                  the call is captured and timed, right after the method itself; outputs
+                  compared with the method's): what PDL gains (on a GPU that supports it;
+                  ``--no-pdl-ab`` leaves them out). The graph holds several steps back to back,
+                  so one overlapped edge per step is the previous step's last kernel; a step the
+                  plug-in replays starts at a graph boundary and overlaps its table fetch's
+                  edge instead
 
 Per method: CUDA-graph replay us per call (p20/p50/p80, L2-warm), eager host us per call (mean
 over ``--eager`` calls, each started on an idle GPU) and the HBM floor of the shard (its bytes read

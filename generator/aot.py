@@ -90,23 +90,32 @@ def _hip_resources(amdgcn: str) -> dict[str, int]:
     }
 
 
-def _compile(
-    mod: ModuleType, constexprs: dict[str, Any], arch: ArchLimits, num_warps: int
-) -> dict[str, Any]:
+def build(mod: ModuleType, constexprs: dict[str, Any], arch: ArchLimits, num_warps: int) -> Any:
+    """Triton's compiled kernel of ``mod`` for ``arch`` at ``constexprs``, as the runtime
+    launches it: a kernel that takes ``PDL`` gets it (and ``launch_pdl``) on sm90 when this
+    Triton can emit it (:func:`shardmax.runtime.kernels.triton_has_pdl`), never on AMD."""
     import triton
     from triton.backends.compiler import GPUTarget
+
+    from shardmax.runtime.kernels import triton_has_pdl
 
     target = GPUTarget(arch.backend, arch.target_arch, arch.warp_size)
     options: dict[str, Any] = {"num_warps": num_warps}
     constexprs = dict(constexprs)
-    if "PDL" in mod.SIGNATURE:  # as the runtime launches it: PDL on sm90, never on AMD
-        constexprs["PDL"] = arch.backend == "cuda"
+    if "PDL" in mod.SIGNATURE:
+        constexprs["PDL"] = arch.backend == "cuda" and triton_has_pdl()
         if constexprs["PDL"]:
             options["launch_pdl"] = True
     src = triton.compiler.ASTSource(
         fn=mod.kernel, signature=dict(mod.SIGNATURE), constexprs=constexprs
     )
-    compiled = triton.compile(src, target=target, options=options)
+    return triton.compile(src, target=target, options=options)
+
+
+def _compile(
+    mod: ModuleType, constexprs: dict[str, Any], arch: ArchLimits, num_warps: int
+) -> dict[str, Any]:
+    compiled = build(mod, constexprs, arch, num_warps)
     if arch.backend == "cuda":
         res = _cuda_resources(compiled.asm["ptx"])
     else:

@@ -71,54 +71,92 @@ def test_set_pdl_returns_the_previous_setting_and_checks_its_argument() -> None:
         kernels.set_pdl(before)
 
 
+class _Spy:
+    """Stands in for a jitted function: records the keywords of each launch."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.seen.append(kw)
+
+
 @pytest.mark.skipif(not kernels.INTERPRET, reason="the interpreter only")
 def test_the_interpreter_never_launches_with_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[dict] = []
     k = kernels.Kernel("row_params")
-
-    class _Spy:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: seen.append(kw)
-
-    monkeypatch.setattr(k, "fn", _Spy())
+    spy = _Spy()
+    monkeypatch.setattr(k, "fn", spy)
     k((1,), torch.zeros(2, dtype=torch.int32), KP1_P2=4)
-    assert seen and seen[0]["PDL"] is False and "launch_pdl" not in seen[0]
-    assert not kernels.pdl_supported(0)
+    assert spy.seen and spy.seen[0]["PDL"] is False and "launch_pdl" not in spy.seen[0]
+    assert not kernels.pdl_supported(0) and not kernels.launch_pdl(torch.zeros(1))
+
+
+@pytest.mark.skipif(not kernels.INTERPRET, reason="the interpreter only")
+@pytest.mark.parametrize("on", [True, False])
+def test_the_constexpr_and_the_launch_option_always_agree(
+    monkeypatch: pytest.MonkeyPatch, on: bool
+) -> None:
+    """A kernel launched with ``launch_pdl`` that did not wait could read what its predecessor
+    has not written yet: the launcher sets both from the one decision."""
+    monkeypatch.setattr(kernels, "launch_pdl", lambda first: on)
+    k = kernels.Kernel("sampled_pick")
+    spy = _Spy()
+    monkeypatch.setattr(k, "fn", spy)
+    k((1,), torch.zeros(2, dtype=torch.int64), K=3)
+    assert spy.seen[0]["PDL"] is on and spy.seen[0].get("launch_pdl", False) is on
+
+
+@pytest.mark.parametrize(
+    ("interpret", "hip", "triton_pdl", "major", "want"),
+    [
+        (False, None, True, 9, True),  # H100 / H200
+        (False, None, True, 10, True),  # Blackwell
+        (False, None, True, 8, False),  # A100: no PDL
+        (False, "6.4", True, 9, False),  # ROCm: MI300-class devices report 9.x
+        (False, None, False, 9, False),  # a Triton without gdc_wait / launch_pdl
+        (True, None, True, 9, False),  # the interpreter
+    ],
+)
+def test_pdl_support_needs_nvidia_sm90_and_a_triton_that_emits_it(
+    monkeypatch: pytest.MonkeyPatch, interpret, hip, triton_pdl, major, want
+) -> None:
+    monkeypatch.setattr(kernels, "_PDL_DEVICES", {})
+    monkeypatch.setattr(kernels, "INTERPRET", interpret)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(kernels, "triton_has_pdl", lambda: triton_pdl)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (major, 0))
+    assert kernels.pdl_supported(0) is want
+
+
+def test_this_triton_can_emit_pdl() -> None:
+    """The newest Triton (CI) and Triton 3.6 (the H200 image) both can: PDL is not silently off."""
+    assert kernels.triton_has_pdl()
 
 
 _AOT_SCRIPT = """
 import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from generator.aot import compile_variant, load_module
+from generator.aot import build, load_module
 from generator.render import generated_dir
 from generator.space import ARCHES
 out = {}
 for name in json.loads(sys.argv[1]):
     mod = load_module(generated_dir() / f"{name}.py")
     for arch, asm in (("sm90", "ptx"), ("gfx950", "amdgcn")):
-        a = ARCHES[arch]
-        compile_variant(mod, a)  # the generator's own compile (PDL on for cuda)
-        src = triton.compiler.ASTSource(
-            fn=mod.kernel, signature=dict(mod.SIGNATURE),
-            constexprs={**mod.CONSTEXPRS, "PDL": a.backend == "cuda"},
-        )
-        opts = {"num_warps": getattr(mod, "NUM_WARPS", 4)}
-        if a.backend == "cuda":
-            opts["launch_pdl"] = True
-        c = triton.compile(src, target=GPUTarget(a.backend, a.target_arch, a.warp_size), options=opts)
-        out[f"{name}/{arch}"] = "griddepcontrol.wait" in c.asm[asm]
+        c = build(mod, mod.CONSTEXPRS, ARCHES[arch], getattr(mod, "NUM_WARPS", 4))
+        out[f"{name}/{arch}"] = ["griddepcontrol.wait" in c.asm[asm], bool(getattr(c.metadata, "launch_pdl", False))]
 print(json.dumps(out))
 """
 
 
-def test_sm90_binaries_wait_and_gfx950_ones_do_not() -> None:
+def test_the_generator_compiles_sm90_with_pdl_and_gfx950_without() -> None:
+    """The AOT compile (the generator's own ``build``, at the module's CONSTEXPRS, where PDL is
+    off): on sm90 the binary waits and is marked for launch_pdl, on gfx950 neither."""
     got = run_compiled(_AOT_SCRIPT, ["row_params", "sampled_pick"])
     assert got == {
-        "row_params/sm90": True,
-        "row_params/gfx950": False,
-        "sampled_pick/sm90": True,
-        "sampled_pick/gfx950": False,
+        "row_params/sm90": [True, True],
+        "row_params/gfx950": [False, False],
+        "sampled_pick/sm90": [True, True],
+        "sampled_pick/gfx950": [False, False],
     }
 
 
@@ -162,3 +200,7 @@ def test_gpu_pdl_on_and_off_give_the_same_bits(mix: str, reqs: int) -> None:
         for c in kernels.kernel(name)._compiled.values()
     }
     assert launched == {True, False}, launched
+    # every binary this process launched: it waits exactly when it was launched with PDL
+    for name in _variants():
+        for c in kernels.kernel(name)._compiled.values():
+            assert ("griddepcontrol.wait" in c.asm["ptx"]) == bool(c.metadata.launch_pdl), name

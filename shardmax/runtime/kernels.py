@@ -22,12 +22,14 @@ Programmatic dependent launch (PDL). A variant whose kernel takes a ``PDL`` cons
 templates that include ``_pdl.j2``: every generated kernel) is launched with
 ``PDL=True`` and Triton's ``launch_pdl`` on a CUDA device of compute capability 9.0 or newer:
 the next kernel of the stream (or of a captured graph) is then scheduled while the previous one
-finishes, and waits at its first statement for the previous kernel's writes, so a step of
-several small kernels loses about 0.5-1 us less per kernel between them (the launch latency;
-``benchmarks/results/sm90/sampled_tuned`` measures it). Everywhere else -- the interpreter, AMD,
-older GPUs, ``SHARDMAX_PDL=0`` in the environment, or :func:`set_pdl` ``(False)`` -- they get
-``PDL=False``, which compiles the wait out: the same kernel a plain launch runs. The outputs are
-the same bits either way (tests/test_pdl.py).
+finishes, and a shardmax kernel waits at its first statement for the previous kernel's writes,
+so a step of several small kernels loses about 0.5-1 us less per kernel between them (the
+launch latency; ``benchmarks/results/sm90/sampled_tuned`` measures it). Everywhere else -- the
+interpreter, AMD, GPUs before sm90, a Triton that cannot emit it (:func:`triton_has_pdl`),
+``SHARDMAX_PDL=0`` in the environment, or :func:`set_pdl` ``(False)`` -- they get ``PDL=False``,
+which compiles the wait out: the same kernel a plain launch runs. The outputs are the same bits
+either way (tests/test_pdl.py). The constexpr and the launch option always come from the one
+decision (:func:`launch_pdl`): a kernel launched early that did not wait would race.
 """
 
 from __future__ import annotations
@@ -68,17 +70,53 @@ def set_pdl(enabled: bool) -> bool:
     return previous
 
 
+@functools.cache
+def triton_has_pdl() -> bool:
+    """Whether this Triton can emit PDL: ``gdc_wait`` / ``gdc_launch_dependents`` in
+    ``triton.language.extra.cuda`` and ``launch_pdl`` among its CUDA compile options (Triton 3.4
+    and newer; the templates only reference them under ``if PDL:``, so older ones compile the
+    kernels without)."""
+    import dataclasses
+
+    try:
+        import triton.language.extra.cuda as cuda_lang
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:  # a Triton without the NVIDIA backend
+        return False
+    return (
+        hasattr(cuda_lang, "gdc_wait")
+        and hasattr(cuda_lang, "gdc_launch_dependents")
+        and "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+    )
+
+
 def pdl_supported(device_index: int) -> bool:
-    """Whether the CUDA device ``device_index`` can launch with PDL: NVIDIA (not ROCm), compute
-    capability 9.0 or newer, kernels compiled (not the interpreter). Cached per device."""
+    """Whether the CUDA device ``device_index`` can launch with PDL: kernels compiled (not the
+    interpreter) by a Triton that can emit it (:func:`triton_has_pdl`), NVIDIA (not ROCm, whose
+    devices may report a capability of 9.x too), compute capability 9.0 or newer. Cached per
+    device."""
     got = _PDL_DEVICES.get(device_index)
     if got is None:
         got = _PDL_DEVICES[device_index] = (
             not INTERPRET
             and torch.version.hip is None
+            and triton_has_pdl()
             and torch.cuda.get_device_capability(device_index)[0] >= 9
         )
     return got
+
+
+def launch_pdl(first: object) -> bool:
+    """Whether a kernel whose first argument is ``first`` launches with PDL now: a CUDA tensor
+    on a device that supports it (:func:`pdl_supported`, the current device: where Triton
+    launches) while :func:`set_pdl` is on. The launcher passes the result as both the kernel's
+    ``PDL`` constexpr and Triton's ``launch_pdl``: a kernel launched early always waits."""
+    return (
+        _PDL_ON
+        and type(first) is torch.Tensor
+        and first.is_cuda
+        and pdl_supported(torch._C._cuda_getDevice())
+    )
 
 
 def check_device(t: torch.Tensor) -> None:
@@ -186,13 +224,12 @@ class Kernel:
         if self.num_warps is not None and "num_warps" not in kwargs:
             kwargs["num_warps"] = self.num_warps
         first = args[0] if args else None
-        cuda = type(first) is torch.Tensor and first.is_cuda
         if self._pdl:
-            on = cuda and _PDL_ON and pdl_supported(torch._C._cuda_getDevice())
-            kwargs["PDL"] = on
+            on = launch_pdl(first)
+            kwargs["PDL"] = on  # the same flag for both: a kernel launched early always waits
             if on:
                 kwargs["launch_pdl"] = True
-        if not self._direct or not cuda:
+        if not self._direct or type(first) is not torch.Tensor or not first.is_cuda:
             if isinstance(first, torch.Tensor) and first.device.type == "cpu":
                 check_device(first)
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
