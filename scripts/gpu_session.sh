@@ -78,6 +78,9 @@
 #   bash scripts/gpu_session.sh GT  one H200: every graph GPU test, then the host costs
 #   bash scripts/gpu_session.sh TL  one H200: every graph GPU test, the sampled GPU tests that
 #                                   read top-p, then stage LA
+#   bash scripts/gpu_session.sh PD  one H200: the PDL GPU tests (on against off, bit for bit), the
+#                                   draw / phase-1 kernel tests, then one rank's sampled step with
+#                                   the tuned tables (PDL on and off timed in the same run)
 #   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
 #                                   benchmark (after a change of the resolution's host path)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
@@ -611,6 +614,21 @@ GT)
 GL)
   graph_tests GL 300
   OUT=$OUT bash "$0" LA
+  ;;
+PD)
+  # programmatic dependent launch: its GPU tests (on against off, bit for bit; every launched
+  # binary waits exactly when launched with it), the compiled draw / phase-1 kernel tests, then
+  # one rank's sampled step with the tuned tables (PDL on and off in the same run)
+  stamp "PDL and kernel GPU tests"
+  timeout "$(left 200)" python3 -m pytest -q -p no:cacheprovider tests/test_pdl.py \
+    tests/test_draw_kernel.py tests/test_phase1_tiles.py >"$OUT/pdl_PD.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/pdl_PD.log" | tail -6
+  stamp "sampled step, tuned tables"
+  timeout "$(left 420)" python3 -m benchmarks.sampled_local --draw-sweep "" --eager 50 \
+    --out "$OUT/sampled_tuned" >"$OUT/sampled_local_PD.log" 2>&1
+  echo "  rc=$?"; grep -E "Error|DIFFER|NONDET|!!" "$OUT/sampled_local_PD.log" | head -5
+  tar -czf "$OUT/PD.tar.gz" -C "$OUT" sampled_tuned 2>/dev/null
+  rm -rf "$OUT/sampled_tuned"
   ;;
 LA)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
