@@ -139,6 +139,17 @@ host_and_engine() {
   echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) .*shardmax  |Error" "$OUT/engine_$1.log"
 }
 
+# sampled_tuned_step STAGE DEADLINE: one rank's sampled step with the tuned tables (no sweeps;
+# PDL on and off where supported) into $OUT/STAGE.tar.gz
+sampled_tuned_step() {
+  stamp "sampled step, tuned tables"
+  timeout "$(left "$2")" python3 -m benchmarks.sampled_local --draw-sweep "" --eager 50 \
+    --out "$OUT/sampled_tuned" >"$OUT/sampled_local_$1.log" 2>&1
+  echo "  rc=$?"; grep -E "Error|DIFFER|NONDET|!!" "$OUT/sampled_local_$1.log" | head -5
+  tar -czf "$OUT/$1.tar.gz" -C "$OUT" sampled_tuned 2>/dev/null
+  rm -rf "$OUT/sampled_tuned"
+}
+
 # graph_tests STAGE DEADLINE: every graph GPU test (tests/test_graphs.py)
 graph_tests() {
   stamp "graph GPU tests"
@@ -583,12 +594,7 @@ SL)
 SLT)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
   graph_tests SLT 420
-  stamp "sampled step, tuned tables"
-  timeout "$(left 585)" python3 -m benchmarks.sampled_local --draw-sweep "" --eager 50 \
-    --out "$OUT/sampled_tuned" >"$OUT/sampled_local_SLT.log" 2>&1
-  echo "  rc=$?"; grep -E "Error|DIFFER|!!" "$OUT/sampled_local_SLT.log" | head -5
-  tar -czf "$OUT/SLT.tar.gz" -C "$OUT" sampled_tuned 2>/dev/null
-  rm -rf "$OUT/sampled_tuned"
+  sampled_tuned_step SLT 585
   ;;
 TL)
   # the replayed step's page-locked tables and fp32 top-p: the graph GPU tests, the sampled
@@ -623,12 +629,7 @@ PD)
   timeout "$(left 200)" python3 -m pytest -q -p no:cacheprovider tests/test_pdl.py \
     tests/test_draw_kernel.py tests/test_phase1_tiles.py >"$OUT/pdl_PD.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/pdl_PD.log" | tail -6
-  stamp "sampled step, tuned tables"
-  timeout "$(left 420)" python3 -m benchmarks.sampled_local --draw-sweep "" --eager 50 \
-    --out "$OUT/sampled_tuned" >"$OUT/sampled_local_PD.log" 2>&1
-  echo "  rc=$?"; grep -E "Error|DIFFER|NONDET|!!" "$OUT/sampled_local_PD.log" | head -5
-  tar -czf "$OUT/PD.tar.gz" -C "$OUT" sampled_tuned 2>/dev/null
-  rm -rf "$OUT/sampled_tuned"
+  sampled_tuned_step PD 420
   ;;
 LA)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
