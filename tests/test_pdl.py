@@ -88,7 +88,7 @@ def test_the_interpreter_never_launches_with_pdl(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(k, "fn", spy)
     k((1,), torch.zeros(2, dtype=torch.int32), KP1_P2=4)
     assert spy.seen and spy.seen[0]["PDL"] is False and "launch_pdl" not in spy.seen[0]
-    assert not kernels.pdl_supported(0) and not kernels.launch_pdl(torch.zeros(1))
+    assert not kernels.pdl_supported(0) and not kernels.launch_pdl(None)
 
 
 @pytest.mark.skipif(not kernels.INTERPRET, reason="the interpreter only")
@@ -98,7 +98,7 @@ def test_the_constexpr_and_the_launch_option_always_agree(
 ) -> None:
     """A kernel launched with ``launch_pdl`` that did not wait could read what its predecessor
     has not written yet: the launcher sets both from the one decision."""
-    monkeypatch.setattr(kernels, "launch_pdl", lambda first: on)
+    monkeypatch.setattr(kernels, "launch_pdl", lambda device: on)
     k = kernels.Kernel("sampled_pick")
     spy = _Spy()
     monkeypatch.setattr(k, "fn", spy)

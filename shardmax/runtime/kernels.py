@@ -106,17 +106,12 @@ def pdl_supported(device_index: int) -> bool:
     return got
 
 
-def launch_pdl(first: object) -> bool:
-    """Whether a kernel whose first argument is ``first`` launches with PDL now: a CUDA tensor
-    on a device that supports it (:func:`pdl_supported`, the current device: where Triton
-    launches) while :func:`set_pdl` is on. The launcher passes the result as both the kernel's
-    ``PDL`` constexpr and Triton's ``launch_pdl``: a kernel launched early always waits."""
-    return (
-        _PDL_ON
-        and type(first) is torch.Tensor
-        and first.is_cuda
-        and pdl_supported(torch._C._cuda_getDevice())
-    )
+def launch_pdl(device: int | None) -> bool:
+    """Whether a launch on CUDA device ``device`` (the current device: where Triton launches;
+    None: not a CUDA launch) uses PDL now: a device that supports it (:func:`pdl_supported`)
+    while :func:`set_pdl` is on. The launcher passes the result as both the kernel's ``PDL``
+    constexpr and Triton's ``launch_pdl``: a kernel launched early always waits."""
+    return device is not None and _PDL_ON and pdl_supported(device)
 
 
 def check_device(t: torch.Tensor) -> None:
@@ -224,12 +219,16 @@ class Kernel:
         if self.num_warps is not None and "num_warps" not in kwargs:
             kwargs["num_warps"] = self.num_warps
         first = args[0] if args else None
+        # the current device, read once per launch (PDL's decision and the compiled-launch key)
+        device = (
+            torch._C._cuda_getDevice() if type(first) is torch.Tensor and first.is_cuda else None
+        )
         if self._pdl:
-            on = launch_pdl(first)
+            on = launch_pdl(device)
             kwargs["PDL"] = on  # the same flag for both: a kernel launched early always waits
             if on:
                 kwargs["launch_pdl"] = True
-        if not self._direct or type(first) is not torch.Tensor or not first.is_cuda:
+        if not self._direct or device is None:
             if isinstance(first, torch.Tensor) and first.device.type == "cpu":
                 check_device(first)
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -244,7 +243,6 @@ class Kernel:
         key = launch_key(values, self._dns, self._const)
         if key is None:
             return self._slow(grid, args, kwargs, None)
-        device = torch._C._cuda_getDevice()
         key = (
             key,
             kwargs.get("num_warps"),
