@@ -43,10 +43,21 @@ call, every slot held`` times the whole call on that path (the outputs of
 :data:`~shardmax.runtime.graphs.SLOTS` calls kept alive meanwhile): the same run's
 before/after of the output slots and their host tables.
 
+**4. The replayed step split at its exchanges (TP > 1).** One rank's step at TP 2 / 8 on one
+GPU (rank 0's shard of V = 200064, the other ranks' bytes stood in by rank 0's:
+:class:`~shardmax.testing.emulate.RepeatedRank`), replayed from its graphs split at the
+exchanges, which run eagerly between the replays; greedy (one exchange) and two-phase T = 1
+steps (two). The same captured graphs are replayed with each exchange gathering straight into
+the next graph's static buffer (``into``: the stand-in's ``all_gather_dim0_into``, as the
+built-in collectives have) and with the gather returning a new tensor that is then copied there
+(``gather + copy``: a collective without that method).
+Host us per call (behind the stand-in forward) and GPU us per call (events around 50 calls,
+nothing else queued); the stand-in's own tile copy is in both.
+
 Needs a GPU.
 
     python -m benchmarks.host_costs [--reqs 8,128] [--steps 300] [--forward-us 750]
-        [--part-rows 32,512]
+        [--part-rows 32,512] [--split-rows 32,512]
         [--out benchmarks/results/<arch>/host_costs]
 """
 
@@ -58,6 +69,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -291,8 +303,94 @@ def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> lis
     return out
 
 
+SPLIT_FIELDS = ["tp", "mix", "rows", "exchange", "host_us_p50", "host_us_p90", "gpu_us_p50"]
+
+
+class _GatherThenCopy:
+    """A stand-in group without ``all_gather_dim0_into``: a replayed step's gather returns a
+    new tensor, copied into the next graph's buffer (section 4's ``gather + copy``)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.world_size, self.rank = inner, inner.world_size, inner.rank
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+        return self.inner.all_gather_dim0(t)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return self.inner.all_reduce_max(t)
+
+
+def split_replay(forward: Any, rows_list: list[int], tps: tuple[int, ...] = (2, 8),
+                 vocab: int = 200064) -> list[dict[str, Any]]:  # fmt: skip
+    """Section 4: the replayed step split at its exchanges, gathering into the next graph's
+    buffer against gathering then copying (same graphs, same run)."""
+    from shardmax.ops.greedy import GreedyVerifyPlan
+    from shardmax.ops.sampled import SampledVerifyPlan
+    from shardmax.runtime.geometry import Geometry
+    from shardmax.runtime.graphs import GraphedStep
+    from shardmax.runtime.shard import ShardContext
+    from shardmax.runtime.validation import check_step_batch
+    from shardmax.testing.emulate import RepeatedRank
+    from shardmax.testing.shards import vllm_shard_ranges
+    from shardmax.testing.traffic import realistic_batch
+
+    out = []
+    for tp in tps:
+        ranges = vllm_shard_ranges(vocab, tp, 64)
+        width = ranges[0][2]
+        for rows in rows_list:
+            reqs = max(1, rows // 4)
+            b = realistic_batch(reqs, 3, vocab, seed=rows, mix="temperature", device="cuda")
+            local = torch.nn.functional.pad(b.logits[:, : ranges[0][1]], (0, width - ranges[0][1]))
+            n = local.shape[0]
+            geo = Geometry(tuple((s, v) for s, v, _ in ranges), width, local.dtype)
+            for mix in ("greedy", "temperature"):
+                ctx = ShardContext(RepeatedRank(tp), geo, 0, local.device)
+                batch = check_step_batch(
+                    n, local.device, b.draft_sampled, b.cu_num_logits, b.pos, b.idx_mapping,
+                    b.expanded_local_pos, b.seed, 3,
+                    temperature=b.temperature if mix == "temperature" else None,
+                )  # fmt: skip
+                plan = (GreedyVerifyPlan(ctx, n, width) if mix == "greedy"
+                        else SampledVerifyPlan(ctx, n, width))  # fmt: skip
+                step = GraphedStep(plan)
+                for _ in range(4):  # eager, captured, replayed
+                    step.run(local, batch)
+                torch.cuda.synchronize()
+                into, copying = ctx.coll, _GatherThenCopy(ctx.coll)
+                for name, coll in (("into", into), ("gather + copy", copying),
+                                   ("into", into), ("gather + copy", copying)):  # fmt: skip
+                    ctx.coll = coll
+                    times = _host_us(partial(step.run, local, batch), forward.replay)
+                    a, z = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
+                    gpu = []
+                    for _ in range(5):
+                        a.record()
+                        for _ in range(50):
+                            step.run(local, batch)
+                        z.record()
+                        z.synchronize()
+                        gpu.append(a.elapsed_time(z) * 1000 / 50)
+                    out.append({"tp": tp, "mix": mix, "rows": n, "exchange": name,
+                                "host_us_p50": statistics.median(times),
+                                "host_us_p90": times[int(0.9 * (len(times) - 1))],
+                                "gpu_us_p50": statistics.median(gpu)})  # fmt: skip
+                    r = out[-1]
+                    print(
+                        f"split TP{tp} {mix:11} rows={n:4} {name:13} host p50 "
+                        f"{r['host_us_p50']:6.1f} us  gpu {r['gpu_us_p50']:6.1f} us",
+                        flush=True,
+                    )
+                ctx.coll = into
+    return out
+
+
 def summary(rows: list[dict[str, Any]], launch_rows: list[dict[str, Any]],
-            part_rows: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
+            part_rows: list[dict[str, Any]] | None = None,
+            split_rows: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
     lines = [
         "# Reading a step's flags on the host after an eager verification", "",
         "| requests | method | GPU gap us (p50 / p90) | read host us (p50) | step us | vs none |",
@@ -314,6 +412,16 @@ def summary(rows: list[dict[str, Any]], launch_rows: list[dict[str, Any]],
         for r in part_rows:
             lines.append(f"| {r['mix']} | {r['rows']} | {r['part']} | {r['host_us_p50']:.1f} | "
                          f"{r['host_us_p90']:.1f} |")  # fmt: skip
+    if split_rows:
+        lines += ["", "# The replayed step split at its exchanges (one rank of TP > 1, stand-in "
+                  "group)", "", "Two alternating rounds per case; host behind the stand-in "
+                  "forward, GPU per call with nothing else queued.", "",
+                  "| TP | mix | rows | exchange | host us p50 | host us p90 | GPU us p50 |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in split_rows:
+            lines.append(f"| {r['tp']} | {r['mix']} | {r['rows']} | {r['exchange']} | "
+                         f"{r['host_us_p50']:.1f} | {r['host_us_p90']:.1f} | "
+                         f"{r['gpu_us_p50']:.1f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -324,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--forward-us", type=float, default=750.0)
     ap.add_argument("--part-rows", default="32,512", help="row counts of section 3")
+    ap.add_argument("--split-rows", default="32,512", help="row counts of section 4")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -347,18 +456,21 @@ def main(argv: list[str] | None = None) -> int:
                   f"({r['vs_none']:.3f}x)", flush=True)  # fmt: skip
     launch_rows = launches(forward)
     part_rows = replay_parts(forward, [int(r) for r in args.part_rows.split(",")])
+    split_rows = split_replay(forward, [int(r) for r in args.split_rows.split(",")])
     out = args.out or Path("benchmarks/results") / (detect_arch() or "unknown") / "host_costs"
     out.mkdir(parents=True, exist_ok=True)
     for name, fields, data in (("flag_read.csv", FIELDS, rows),
                                ("launches.csv", LAUNCH_FIELDS, launch_rows),
-                               ("replay_parts.csv", PART_FIELDS, part_rows)):  # fmt: skip
+                               ("replay_parts.csv", PART_FIELDS, part_rows),
+                               ("split_replay.csv", SPLIT_FIELDS, split_rows)):  # fmt: skip
         with (out / name).open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
             for r in data:
                 w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
-    (out / "HOST_COSTS.md").write_text(summary(rows, launch_rows, part_rows) + "\n")
-    print(summary(rows, launch_rows, part_rows))
+    text = summary(rows, launch_rows, part_rows, split_rows)
+    (out / "HOST_COSTS.md").write_text(text + "\n")
+    print(text)
     return 0
 
 

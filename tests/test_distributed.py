@@ -262,3 +262,69 @@ def test_gloo_geometry_changed_on_one_rank_at_a_later_call(
 
 def test_gloo_a_rank_refusing_its_inputs_stops_every_rank(gloo: RankPools) -> None:
     gloo.run(_peer_refusal_body, 2, timeout=240)
+
+
+# ------------------------------------------------ gathering into a given buffer (graph replay)
+def _gather_into_body(rank: int, world: int) -> None:
+    """``TorchDistributed.all_gather_dim0_into`` writes exactly ``all_gather_dim0``'s bytes into
+    the given buffer (what a step replayed from split graphs gathers into), for int64 records and
+    a 2-D send; the buffer's other storage is untouched."""
+    from shardmax.runtime.collectives import TorchDistributed, gather_into
+
+    coll = TorchDistributed(dist.group.WORLD)
+    for shape in ((5,), (3, 4)):
+        t = torch.arange(rank * 100, rank * 100 + torch.Size(shape).numel(), dtype=torch.int64)
+        t = t.reshape(shape)
+        want = coll.all_gather_dim0(t)
+        backing = torch.full((world * shape[0] + 1, *shape[1:]), -7, dtype=torch.int64)
+        out = backing[: world * shape[0]]
+        gather_into(coll, t, out)
+        assert torch.equal(out, want), shape
+        assert torch.equal(backing[-1], torch.full(shape[1:], -7, dtype=torch.int64))
+        assert torch.equal(want, torch.cat([t + 100 * (r - rank) for r in range(world)]))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_gather_into_a_given_buffer(gloo: RankPools, world: int) -> None:
+    gloo.run(_gather_into_body, world, timeout=240)
+
+
+def _split_replay_body(rank: int, world: int) -> None:
+    """A sampled step (two-phase, T = 1, realistic traffic) on each rank's vLLM-layout shard
+    over NCCL: replayed from graphs split at its all_gathers (gathering straight into the next
+    graph's buffers) it returns the eager launches' outputs bit for bit, identical on every
+    rank, twice over."""
+    from shardmax.plan import VocabShard
+    from shardmax.runtime.validation import check_step_batch
+    from shardmax.testing.traffic import realistic_batch
+
+    dev = torch.device(f"cuda:{rank}")
+    t = realistic_batch(24, 3, 151936, seed=5, mix="temperature", device="cpu")
+    shard = shard_like_vllm(t.logits, world)[rank]
+    local = shard.local_logits.to(dev)
+    rows = local.shape[0]
+    vshard = VocabShard(
+        vocab_start=shard.vocab_start, num_valid=shard.num_valid, width=local.shape[1],
+        dtype=local.dtype, device=dev, group=dist.group.WORLD,
+    )  # fmt: skip
+    batch = check_step_batch(
+        rows, dev, t.draft_sampled.to(dev), t.cu_num_logits.to(dev), t.pos.to(dev),
+        t.idx_mapping.to(dev), t.expanded_local_pos.to(dev), t.seed.to(dev),
+        t.num_speculative_steps, temperature=t.temperature.to(dev),
+    )  # fmt: skip
+    plan = vshard.verify(rows)
+    ref = [x.clone() for x in plan.run(local, batch)]
+    graphed = vshard.graphed(plan)
+    kept = []
+    for _ in range(4):  # eager, captured, replayed, replayed
+        got = graphed.run(local, batch)
+        for g, w in zip(got, ref, strict=True):
+            assert torch.equal(g, w)
+            _same_on_all_ranks(g, world)
+        kept.append(got)
+    assert graphed.num_graphs == 1
+
+
+@pytest.mark.multigpu
+def test_nccl_split_graph_replay_equals_the_launches() -> None:
+    run_ranks(_split_replay_body, 2, "nccl")

@@ -809,3 +809,106 @@ def test_failed_split_capture_restores_the_collective(monkeypatch: pytest.Monkey
     with pytest.raises(RuntimeError):
         graphs._Segments(ctx).capture(body)
     assert ctx.coll is real and not state["capturing"]
+
+
+def _fake_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """CUDA's graph simulated on the CPU: captures record nothing, replays run nothing; returns
+    the log of capture / replay events."""
+    log: list[str] = []
+
+    class FakeGraph:
+        def capture_begin(self, pool=None, capture_error_mode="global") -> None:
+            log.append("begin")
+
+        def capture_end(self) -> None:
+            log.append("end")
+
+        def replay(self) -> None:
+            log.append("replay")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    return log
+
+
+class _Pair:
+    """A stand-in group of two ranks whose other rank sends ``t + 10``; its MAX adds 100 and
+    returns a new tensor (out of place). Logs each call."""
+
+    world_size, rank = 2, 0
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls.append("gather")
+        return torch.cat([t, t + 10])
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls.append("max")
+        return t + 100
+
+
+class _PairInto(_Pair):
+    """:class:`_Pair` with ``all_gather_dim0_into`` and the protocol's in-place MAX."""
+
+    def all_gather_dim0_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        self.calls.append("into")
+        torch.cat([t, t + 10], out=out)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls.append("max")
+        return t.add_(100)
+
+
+@pytest.mark.parametrize("into", [True, False])
+def test_split_replay_gathers_into_the_next_graphs_buffer(
+    monkeypatch: pytest.MonkeyPatch, into: bool
+) -> None:
+    """Replayed at TP > 1, a step's all_gather writes straight into the static buffer the next
+    graph reads (the collective's ``all_gather_dim0_into``: no gather output, no copy); without
+    that method its result is copied there. MAX leaves the reduced values in the recorded input,
+    which is the next graph's buffer (an out-of-place MAX is copied back). Nothing is gathered
+    while capturing."""
+    import types
+
+    log = _fake_cuda_graphs(monkeypatch)
+    real = _PairInto() if into else _Pair()
+    ctx = types.SimpleNamespace(coll=real)
+    sent, local = torch.arange(3), torch.arange(4)
+
+    def body() -> tuple[torch.Tensor, torch.Tensor]:
+        return ctx.coll.all_gather_dim0(sent), ctx.coll.all_reduce_max(local)
+
+    seg = graphs._Segments(ctx)
+    gathered, reduced = seg.capture(body)
+    assert ctx.coll is real and real.calls == [] and log == ["begin", "end"] * 3
+    assert gathered.shape == (6,) and reduced.data_ptr() == local.data_ptr()
+    seg.replay()
+    assert log[6:] == ["replay"] * 3
+    assert real.calls == (["into", "max"] if into else ["gather", "max"])
+    assert torch.equal(gathered, torch.tensor([0, 1, 2, 10, 11, 12]))
+    assert torch.equal(reduced, torch.arange(100, 104)) and torch.equal(local, reduced)
+
+
+def test_stand_in_groups_gather_into_what_they_gather() -> None:
+    """The test / benchmark stand-in groups' ``all_gather_dim0_into`` writes exactly what their
+    ``all_gather_dim0`` returns (replayed split graphs use the former)."""
+    from shardmax.runtime.collectives import SingleRank, gather_into
+    from shardmax.testing.emulate import RepeatedRank
+    from shardmax.testing.replayed import ReplayedCollective
+
+    t = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    recorded = [torch.arange(24, dtype=torch.int64).reshape(6, 4) * 7]
+    for coll in (
+        SingleRank(),
+        RepeatedRank(1),
+        RepeatedRank(3),
+        ReplayedCollective(2, 0, recorded),
+    ):
+        want = coll.all_gather_dim0(t)
+        if isinstance(coll, ReplayedCollective):
+            coll.reset()
+        out = torch.full_like(want, -1)
+        gather_into(coll, t, out)
+        assert torch.equal(out, want), coll

@@ -6,15 +6,22 @@ Only packed int64 keys cross ranks (design §3):
   the layout of ``torch.distributed.all_gather_into_tensor`` / vLLM's ``all_gather(x, dim=0)``.
 * ``all_reduce_max(t)``: elementwise signed int64 MAX across ranks, in place.
 
+Optionally, ``all_gather_dim0_into(t, out)`` writes the same bytes into a given contiguous
+``[tp * rows, S]`` buffer: a step replayed from CUDA graphs at TP > 1 gathers straight into the
+static buffer its next graph reads (:func:`gather_into`), where a collective without it costs an
+output allocation and a device copy per exchange. The built-in collectives have it.
+
 Implementations:
 
 * :class:`SingleRank` - ``group=None``: no communication.
 * :class:`TorchDistributed` - a ``torch.distributed`` ProcessGroup (NCCL/RCCL on GPUs, gloo on CPU).
 * :class:`VllmCoordinator` - vLLM's TP ``GroupCoordinator``, duck-typed (no vLLM import): on GPUs
   the gather goes through ``coordinator.all_gather(t, dim=0)`` (vLLM's own, custom-op and
-  CUDA-graph aware) and MAX through ``torch.distributed.all_reduce`` on its ``device_group``
-  (vLLM's ``all_reduce`` is a SUM); CPU tensors use its gloo ``cpu_group`` for both, because
-  vLLM-CPU's shared-memory all_gather has no int64 kernel.
+  CUDA-graph aware; the gather into a given buffer through the PyNccl communicator that
+  gather uses, or ``all_gather_into_tensor`` on its ``device_group``) and MAX through
+  ``torch.distributed.all_reduce`` on its ``device_group`` (vLLM's ``all_reduce`` is a SUM); CPU
+  tensors use its gloo ``cpu_group`` for both, because vLLM-CPU's shared-memory all_gather has
+  no int64 kernel.
 
 The in-process emulator used by the tests lives in :mod:`shardmax.testing.emulate`: it runs
 every rank's local stage and concatenates keys in rank order, which is what these do.
@@ -54,6 +61,9 @@ class SingleRank:
     def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def all_gather_dim0_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(t)
+
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
@@ -83,14 +93,19 @@ class TorchDistributed:
         return self._rank
 
     def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.contiguous()
         out = t.new_empty((self._world_size * t.shape[0], *t.shape[1:]))
+        self.all_gather_dim0_into(t, out)
+        return out
+
+    def all_gather_dim0_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """``all_gather_dim0(t)`` written into ``out`` (contiguous ``[world_size * rows, ...]``,
+        ``t``'s dtype and device)."""
+        t = t.contiguous()
         if dist.get_backend(self.group) == "gloo":
             # gloo has no all_gather_into_tensor: gather into views of the output.
             dist.all_gather(list(out.chunk(self._world_size)), t, group=self.group)
         else:
             dist.all_gather_into_tensor(out, t, group=self.group)
-        return out
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
@@ -121,6 +136,25 @@ class VllmCoordinator:
             return TorchDistributed(self.coordinator.cpu_group).all_gather_dim0(t)
         return self.coordinator.all_gather(t.contiguous(), dim=0)
 
+    def all_gather_dim0_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """``all_gather_dim0(t)`` written into ``out`` (contiguous ``[world_size * rows, ...]``):
+        on CUDA through the coordinator's PyNccl communicator where vLLM's own CUDA all_gather
+        would use it (present, enabled, not ROCm), else ``all_gather_into_tensor`` on its
+        ``device_group`` (vLLM's base-class all_gather); CPU tensors on its gloo ``cpu_group``.
+        The same bytes as :meth:`all_gather_dim0`, without vLLM's output allocation."""
+        if self.world_size == 1:
+            out.copy_(t)
+            return
+        if not t.is_cuda:
+            TorchDistributed(self.coordinator.cpu_group).all_gather_dim0_into(t, out)
+            return
+        t = t.contiguous()
+        comm = getattr(getattr(self.coordinator, "device_communicator", None), "pynccl_comm", None)
+        if comm is not None and not getattr(comm, "disabled", True) and torch.version.hip is None:
+            comm.all_gather(out, t)
+        else:
+            dist.all_gather_into_tensor(out, t, group=self.coordinator.device_group)
+
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return t
@@ -130,6 +164,25 @@ class VllmCoordinator:
 
     def __repr__(self) -> str:
         return f"VllmCoordinator(rank={self.rank}, world_size={self.world_size})"
+
+
+def gather_into(coll: Collective, t: torch.Tensor, out: torch.Tensor) -> None:
+    """``coll.all_gather_dim0(t)`` into ``out`` (contiguous, of the gathered shape and ``t``'s
+    dtype): the collective's own ``all_gather_dim0_into`` where it has one (no output buffer, no
+    copy), else its gather then one device copy."""
+    into = getattr(coll, "all_gather_dim0_into", None)
+    if into is not None:
+        into(t, out)
+    else:
+        out.copy_(coll.all_gather_dim0(t))
+
+
+def reduce_max_in_place(coll: Collective, t: torch.Tensor) -> None:
+    """``coll.all_reduce_max(t)`` left in ``t``: the protocol's MAX is in place (the built-in
+    collectives' is); a collective that returns another tensor has it copied back."""
+    r = coll.all_reduce_max(t)
+    if r.data_ptr() != t.data_ptr():
+        t.copy_(r)
 
 
 def _looks_like_vllm_coordinator(group: Any) -> bool:

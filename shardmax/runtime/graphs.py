@@ -63,8 +63,9 @@ indirect launches run eagerly (a slot's outputs are written by the copy), so the
 exercise everything except the capture itself.
 
 At TP > 1 the capture is split at the step's collectives (:class:`_Segments`): graph, eager
-collective, graph, ... -- each collective runs on its recorded input between the replays and its
-result is copied into the static buffer the next graph reads, so no NCCL call is ever captured
+collective, graph, ... -- each collective runs on its recorded input between the replays, gathering straight
+into the static buffer the next graph reads (a collective without ``all_gather_dim0_into``: its
+result copied there; MAX reduces that input in place), so no NCCL call is ever captured
 and every rank runs the same collectives in the same order as the eager step. Plans whose
 kernels read the logits directly (strict mode's block statistics, the level histograms of top-p
 steps: :func:`reads_logits_directly`) replay on a static copy of the logits, copied in before
@@ -87,6 +88,7 @@ import numpy as np
 import torch
 
 from shardmax.runtime import kernels
+from shardmax.runtime.collectives import gather_into, reduce_max_in_place
 from shardmax.runtime.indirect import IndirectLogits
 
 MAX_GRAPHS = 32
@@ -435,11 +437,13 @@ class _Segments:
     A collective of a TP group of more than one rank is never captured: the capture ends at
     each one, the collective's input (a tensor of the graph's pool, kept alive) and a static
     output buffer are recorded, and the next graph begins; at replay each graph is replayed and
-    each collective is called eagerly between them on the recorded input, its result copied
-    into the static output the next graph reads. So a captured step runs exactly the
-    collectives of the eager step, in order, on every rank (each rank captures at the same
-    step, as every rank sees the same batch shapes), and no NCCL call sits inside a graph. A
-    group of one rank returns its input: nothing to split.
+    each collective is called eagerly between them on the recorded input, gathering into the
+    static output the next graph reads (:func:`~shardmax.runtime.collectives.gather_into`: no
+    output allocation and no copy for a collective with ``all_gather_dim0_into``, as the
+    built-in ones; MAX stays in place, its static output being its input). So a captured step
+    runs exactly the collectives of the eager step, in order, on every rank (each rank
+    captures at the same step, as every rank sees the same batch shapes), and no NCCL call
+    sits inside a graph. A group of one rank returns its input: nothing to split.
     """
 
     def __init__(self, ctx: Any) -> None:
@@ -484,7 +488,10 @@ class _Segments:
             g.replay()
             if i < len(self.calls):
                 name, t, out = self.calls[i]
-                out.copy_(getattr(coll, name)(t))
+                if name == "all_gather_dim0":  # straight into the next graph's buffer
+                    gather_into(coll, t, out)
+                else:  # MAX in place: the next graph reads its input (``out is t``)
+                    reduce_max_in_place(coll, t)
 
 
 class _SplittingCollective:
@@ -507,7 +514,8 @@ class _SplittingCollective:
         return self.segments._split("all_gather_dim0", t, out)
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        return self.segments._split("all_reduce_max", t, torch.empty_like(t))
+        # in place, as the protocol's MAX: the next graph reads the reduced input itself
+        return self.segments._split("all_reduce_max", t, t)
 
 
 class GraphedStep:

@@ -75,6 +75,9 @@ class RepeatedRank:
     def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.world_size == 1 else t.repeat(self.world_size, 1)
 
+    def all_gather_dim0_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        out.view(self.world_size, *t.shape).copy_(t.unsqueeze(0).expand(self.world_size, *t.shape))
+
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         return t
 

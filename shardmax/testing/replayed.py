@@ -42,19 +42,26 @@ class ReplayedCollective:
     def reset(self) -> None:
         self._i = 0
 
-    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+    def _next(self, t: torch.Tensor) -> torch.Tensor:
+        """The next recorded gather, in call order, that fits the send ``t``."""
         want = (self.world_size * t.shape[0], *t.shape[1:])
         n = len(self._gathered)
-        for j in range(n):  # the next recorded gather, in call order, that fits the send
+        for j in range(n):
             i = (self._i + j) % n
             g = self._gathered[i]
             if tuple(g.shape) == want and g.dtype == t.dtype:
                 self._i = i + 1
-                return g.clone()  # the bytes land in a fresh buffer, as NCCL's output
+                return g
         raise ValueError(
             f"t: {t.dtype} {list(t.shape)} fits no recorded gather of {self.world_size} ranks "
             f"({[list(g.shape) for g in self._gathered]})"
         )
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+        return self._next(t).clone()  # the bytes land in a fresh buffer, as NCCL's output
+
+    def all_gather_dim0_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(self._next(t))  # the bytes land in the caller's buffer, as NCCL's
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ReplayedCollective: all_reduce_max is not used by sampled verification")
