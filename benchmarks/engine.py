@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{reqs}; {bad_hr} differ after resolving ({left_h} left flagged)"
                     )
             if args.profile:
-                for name in ("shardmax", "shardmax+resolve"):
+                for name in ("shardmax", "shardmax+resolve", "shardmax-hist+resolve"):
                     if name in paths:
                         _profile(paths[name], f"{name} {mix} rows={reqs * (args.k + 1)}")
             timed = _measure_interleaved(

@@ -81,6 +81,9 @@
 #   bash scripts/gpu_session.sh PD  one H200: the PDL GPU tests (on against off, bit for bit), the
 #                                   draw / phase-1 kernel tests, then one rank's sampled step with
 #                                   the tuned tables (PDL on and off timed in the same run)
+#   bash scripts/gpu_session.sh CX  one H200: the split-graph GPU tests, the host costs (replayed
+#                                   TP > 1 steps gathering into the next graph's buffers against
+#                                   gather + copy), host profiles of resolving top-p engine calls
 #   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
 #                                   benchmark (after a change of the resolution's host path)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
@@ -640,6 +643,27 @@ LA)
   echo "  rc=$?"; grep -E "^greedy .*shardmax  |Error" "$OUT/engine_unbounded_LA.log"
   tar -czf "$OUT/LA.tar.gz" -C "$OUT" host_costs engine engine_unbounded 2>/dev/null
   rm -rf "$OUT/host_costs" "$OUT/engine" "$OUT/engine_unbounded"
+  ;;
+CX)
+  # replayed TP > 1 steps gathering into the next graph's buffers: the split-graph GPU tests
+  # (each step's replay == its launches, twice, no host sync), the host costs (section 4: into
+  # against gather + copy on the same graphs), then host profiles of the engine loop's resolving
+  # top-p calls (where a resolving step's host time goes)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "split-graph GPU tests"
+  timeout "$(left 200)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_graphs.py \
+    -k "split or sync" >"$OUT/graphs_CX.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/graphs_CX.log" | tail -6
+  stamp "host costs"
+  timeout "$(left 330)" python3 -m benchmarks.host_costs --out "$OUT/host_costs" \
+    >"$OUT/host_costs_CX.log" 2>&1
+  echo "  rc=$?"; grep -E "^split |Error" "$OUT/host_costs_CX.log"
+  stamp "resolving top-p calls, host profile"
+  timeout "$(left 560)" python3 -m benchmarks.engine --steps 20 --rounds 2 --rows "${PROF_ROWS:-96}" \
+    --mixes top_p --profile --out "$OUT/engine_prof" >"$OUT/engine_prof_CX.log" 2>&1
+  echo "  rc=$?"; grep -E "^top_p |Error" "$OUT/engine_prof_CX.log"
+  tar -czf "$OUT/CX.tar.gz" -C "$OUT" host_costs engine_prof 2>/dev/null
+  rm -rf "$OUT/host_costs" "$OUT/engine_prof"
   ;;
 RA)
   # after a change of resolve_apply / the host read: the host read's GPU test, the resolution
