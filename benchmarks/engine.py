@@ -51,9 +51,17 @@ run of the path made a host sync (:func:`shardmax.testing.syncs.host_syncs`: tor
 mode and the event / stream waits it does not report). Targets of issue
 19 are evaluated from these numbers only. Needs a GPU.
 
+At ``--tp N`` (N GPUs; one process each, NCCL) every rank runs the same loop with the same
+fixed step counts on its vLLM-layout shard of the same logits: shardmax's paths verify the shard
+(replayed from graphs split at the step's collectives, which run eagerly between the replays;
+the resolution all-gathers the flagged requests' rows), vLLM's path all-gathers the full logits
+first as its LM head does (an all_gather of every rank's padded shard, then the ``[rows, V]``
+view: :func:`vllm_full_logits`) and runs its chain on them; rank 0's host and loop times are
+reported (the collectives keep the ranks in step), no path is captured whole.
+
     python -m benchmarks.engine [--rows 4,32,96,256,512] [--vocab 200064] [--steps 200]
         [--mixes greedy,temperature,top_p] [--forward-us 1000] [--lookahead 2] [--rounds 5]
-        [--out benchmarks/results/<arch>]
+        [--tp 1] [--out benchmarks/results/<arch>]
 """
 
 from __future__ import annotations
@@ -66,7 +74,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -113,6 +121,25 @@ def _forward_graph(target_us: float) -> tuple[torch.cuda.CUDAGraph, float]:
     return g, start.elapsed_time(end) * 1000
 
 
+class RankShard(NamedTuple):
+    """One TP rank's part of the loop: its padded ``[rows, W]`` shard of the step's logits (vLLM's
+    layout: :func:`shardmax.testing.shards.vllm_shard_ranges`), its real columns and the group."""
+
+    local: torch.Tensor
+    vocab_start: int
+    num_valid: int
+    group: Any
+
+
+def vllm_full_logits(gathered: torch.Tensor, tp: int, vocab: int) -> torch.Tensor:
+    """vLLM's logits after its LM head's gather: ``gathered`` ``[tp * rows, W]`` (every rank's
+    padded shard, all_gather along dim 0, rank-major) -> ``[rows, V]``, the ``[:, :V]`` view of
+    the ``[rows, tp * W]`` concatenation (rank ``r``'s columns at ``[r W, r W + W)``, padding
+    past ``V`` dropped), as vLLM's ``compute_logits`` returns it."""
+    rows, width = gathered.shape[0] // tp, gathered.shape[1]
+    return gathered.view(tp, rows, width).permute(1, 0, 2).reshape(rows, tp * width)[:, :vocab]
+
+
 def _shardmax_step(
     traffic: Any,
     mix: str,
@@ -120,20 +147,28 @@ def _shardmax_step(
     resolve: tuple[Any, dict[str, Any]] | None = None,
     graphed: bool = True,
     topp: Any = None,
+    rank: RankShard | None = None,
 ) -> Callable[[], Any]:
-    """The plug-in's verification call on one rank (TP 1: the shard is the whole vocabulary):
-    the step's host checks, the shard's cached plan, its run (from the plan's CUDA graphs when
-    ``graphed``, else ``plan.run``); with ``resolve = (chain, verify_inputs)`` also the flagged
-    requests resolved per request; ``topp``: a top-p pipeline (level histograms, eager). Returns
-    the result."""
+    """The plug-in's verification call on one rank (TP 1: the shard is the whole vocabulary;
+    ``rank``: this rank's shard of ``traffic.logits`` and its group): the step's host checks,
+    the shard's cached plan, its run (from the plan's CUDA graphs when ``graphed``, split at the
+    collectives at TP > 1, else ``plan.run``); with ``resolve = (chain, verify_inputs)`` also
+    the flagged requests resolved per request (their rows all-gathered at TP > 1); ``topp``: a
+    top-p pipeline (level histograms). Returns the result."""
     from shardmax.ops.resolve import flagged_requests, gather_rows, resolve_requests
     from shardmax.plan import VocabShard
     from shardmax.runtime.validation import check_step_batch
 
-    logits = traffic.logits
-    rows, vocab = logits.shape
-    shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=logits.dtype,
-                       device=logits.device)  # fmt: skip
+    if rank is None:
+        logits = traffic.logits
+        rows, vocab = logits.shape
+        shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=logits.dtype,
+                           device=logits.device)  # fmt: skip
+    else:
+        logits = rank.local
+        rows, width = logits.shape
+        shard = VocabShard(vocab_start=rank.vocab_start, num_valid=rank.num_valid, width=width,
+                           dtype=logits.dtype, device=logits.device, group=rank.group)  # fmt: skip
     t = traffic
     sampled = mix != "greedy"
     seq_lens, prefill_len = prefill
@@ -144,6 +179,7 @@ def _shardmax_step(
             t.expanded_local_pos, t.seed, t.num_speculative_steps, None, seq_lens, prefill_len,
             temperature=t.temperature if sampled else None, top_p=t.top_p,
         )  # fmt: skip
+        plan: Any
         if topp is not None:
             plan = shard.verify(rows, topp=topp)
         elif sampled:
@@ -167,13 +203,27 @@ def _shardmax_step(
     return step
 
 
-def _vllm_step(traffic: Any, chain: Any, kw: dict[str, Any]) -> Callable[[], Any]:
-    """vLLM's own chain on the full logits, as ``RejectionSampler.__call__`` runs it."""
+def _vllm_step(
+    traffic: Any, chain: Any, kw: dict[str, Any], rank: RankShard | None = None
+) -> Callable[[], Any]:
+    """vLLM's own chain on the full logits, as ``RejectionSampler.__call__`` runs it; at TP > 1
+    (``rank``) on the logits its LM head all-gathers first (:func:`vllm_full_logits`)."""
+    if rank is None:
 
-    def step() -> Any:
-        return chain.verify(traffic.logits, **kw, checks=False)
+        def step() -> Any:
+            return chain.verify(traffic.logits, **kw, checks=False)
 
-    return step
+        return step
+    from shardmax.runtime.collectives import resolve
+
+    coll = resolve(rank.group)
+    tp, vocab = coll.world_size, traffic.logits.shape[1]
+
+    def gathered_step() -> Any:
+        full = vllm_full_logits(coll.all_gather_dim0(rank.local), tp, vocab)
+        return chain.verify(full, **kw, checks=False)
+
+    return gathered_step
 
 
 def _mismatches(ours: Any, theirs: Any) -> tuple[int, int]:
@@ -292,8 +342,9 @@ def _graph_gpu_us(step: Callable[[], Any]) -> float | str:
         return f"not capturable: {type(e).__name__}"
 
 
-def _profile(step: Callable[[], Any], tag: str) -> None:
-    """The host functions of 300 calls, by own time (the GPU runs behind, never waited for)."""
+def _profile(step: Callable[[], Any], tag: str, show: bool = True) -> None:
+    """The host functions of 300 calls, by own time (the GPU runs behind, never waited for);
+    printed when ``show`` (every TP rank makes the calls, rank 0 prints)."""
     import cProfile
     import pstats
 
@@ -306,6 +357,8 @@ def _profile(step: Callable[[], Any], tag: str) -> None:
         step()
     prof.disable()
     torch.cuda.synchronize()
+    if not show:
+        return
     print(f"--- host profile: {tag} (300 calls; tottime s)")
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
     pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
@@ -340,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         default=5,
         help="interleaved rounds: each runs steps/rounds steps of every path in turn",
     )
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="TP ranks, one process and GPU each (NCCL): each verifies its vocab shard, vLLM's "
+        "path all-gathers the full logits first",
+    )
     ap.add_argument("--vllm-version", default="0.33.0")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
@@ -364,9 +424,62 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks.engine: needs a GPU (it times CUDA graphs and eager GPU calls)",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.tp > 1:
+        return _spawn(args)
+    _run(args)
+    return 0
+
+
+def _spawn(args: argparse.Namespace) -> int:
+    """``--tp N``: one process per GPU (NCCL over NVLink, multicast off), each running the loop
+    on its rank's shard with the same fixed step counts; rank 0 writes the results."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    from benchmarks.step import free_port
+
+    found = torch.cuda.device_count()
+    if found < args.tp:
+        print(f"benchmarks.engine: --tp {args.tp} needs {args.tp} GPUs, found {found}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    mp.start_processes(_rank_main, args=(args.tp, free_port(), args), nprocs=args.tp,
+                       start_method="spawn", join=True)  # fmt: skip
+    return 0
+
+
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    """One rank of ``--tp``: its GPU, the NCCL group, the loop."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from benchmarks import ensure_shardmax_layout
+
+    ensure_shardmax_layout()
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=600), device_id=dev)  # fmt: skip
+    try:
+        _run(args, rank, world, dist.group.WORLD)
+    finally:
+        dist.barrier(device_ids=[rank])
+        dist.destroy_process_group()
+
+
+def _run(
+    args: argparse.Namespace, rank: int = 0, world: int = 1, group: Any = None
+) -> list[dict[str, Any]]:
+    """The loop over mixes, row counts and paths on this rank (TP ``world``; at TP 1 the shard
+    is the whole vocabulary); rank 0 prints and writes engine.csv / engine.png / ENGINE.md."""
     from shardmax.runtime.dispatch import detect_arch
     from shardmax.testing.traffic import realistic_batch
 
+    say = print if rank == 0 else (lambda *a, **k: None)
     chain = None
     note = ""
     try:
@@ -375,14 +488,15 @@ def main(argv: list[str] | None = None) -> int:
         chain = {c.version: c for c in NativeChain.discover()}[args.vllm_version]
     except Exception as e:  # no extracted vLLM tree: the vllm path is not measured
         note = f"vllm chain unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
-        print(note, file=sys.stderr)
+        say(note, file=sys.stderr)
     resolver = None
     if chain is not None:
         from shardmax.integrations.vllm.resolution import CapturedResolution
 
         resolver = CapturedResolution(chain)  # the plug-in's resolver
     out_dir = args.out or Path("benchmarks/results") / (detect_arch() or "unknown")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
     forward, forward_us = _forward_graph(args.forward_us)
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
@@ -391,16 +505,17 @@ def main(argv: list[str] | None = None) -> int:
             reqs = max(1, rows // (args.k + 1))
             traffic = realistic_batch(reqs, args.k, args.vocab, seed=rows, mix=mix,
                                       device="cuda")  # fmt: skip
+            me = _rank_shard(traffic.logits, rank, world, group)
             kw = verify_inputs(traffic) if chain is not None else None
             prefill = (kw["seq_lens"], kw["prefill_len"]) if kw is not None else (None, None)
             paths: dict[str, Callable[[], Any]] = {
-                "shardmax": _shardmax_step(traffic, mix, prefill),
-                "shardmax-eager": _shardmax_step(traffic, mix, prefill, graphed=False),
+                "shardmax": _shardmax_step(traffic, mix, prefill, rank=me),
+                "shardmax-eager": _shardmax_step(traffic, mix, prefill, graphed=False, rank=me),
             }
             if chain is not None and kw is not None:
                 if mix != "greedy":
                     paths["shardmax+resolve"] = _shardmax_step(
-                        traffic, mix, prefill, (resolver, kw)
+                        traffic, mix, prefill, (resolver, kw), rank=me
                     )
                 if mix == "top_p":
                     from shardmax.reference.nucleus_replay import pipeline_for
@@ -409,9 +524,9 @@ def main(argv: list[str] | None = None) -> int:
                     set_sigma_table(list(chain.modules.topk_topp._NORMAL_CDF_TO_SIGMA_TABLE))
                     config = pipeline_for(traffic.logits.shape[0], "cuda", chain.version)
                     paths["shardmax-hist+resolve"] = _shardmax_step(
-                        traffic, mix, prefill, (resolver, kw), topp=config
+                        traffic, mix, prefill, (resolver, kw), topp=config, rank=me
                     )
-                paths["vllm"] = _vllm_step(traffic, chain, kw)
+                paths["vllm"] = _vllm_step(traffic, chain, kw, rank=me)
             same = resolved_note = ""
             if "vllm" in paths:
                 theirs = paths["vllm"]()
@@ -427,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "shardmax-hist+resolve" in paths:
                     hist = paths["shardmax-hist+resolve"]
                     plain = _shardmax_step(
-                        traffic, mix, prefill, graphed=False, topp=config
+                        traffic, mix, prefill, graphed=False, topp=config, rank=me
                     )()  # unresolved: its flags
                     bad_h, flagged_h = _mismatches(plain, theirs)
                     bad_hr, left_h = _mismatches(hist(), theirs)
@@ -438,18 +553,24 @@ def main(argv: list[str] | None = None) -> int:
             if args.profile:
                 for name in ("shardmax", "shardmax+resolve", "shardmax-hist+resolve"):
                     if name in paths:
-                        _profile(paths[name], f"{name} {mix} rows={reqs * (args.k + 1)}")
+                        _profile(paths[name], f"{name} {mix} rows={reqs * (args.k + 1)}",
+                                 show=rank == 0)  # fmt: skip
             timed = _measure_interleaved(
                 paths, forward, args.steps, reqs, args.lookahead, args.rounds
             )
             for path, step in paths.items():
                 row = {"mix": mix, "rows": reqs * (args.k + 1), "reqs": reqs,
-                       "vocab": args.vocab, "dtype": "bf16", "tp": 1, "path": path,
+                       "vocab": args.vocab, "dtype": "bf16", "tp": world, "path": path,
                        "steps": args.steps, "forward_us": round(forward_us, 1),
                        "note": note if path == "vllm" else ""}  # fmt: skip
                 row.update(timed[path])
-                # a replayed step cannot be captured again: its GPU time is the loop's
-                row["gpu_us_graph"] = "replayed" if path == "shardmax" else _graph_gpu_us(step)
+                # a replayed step cannot be captured again: its GPU time is the loop's; at
+                # TP > 1 no path is captured whole (its collectives would sit in the graph)
+                row["gpu_us_graph"] = (
+                    "replayed" if path == "shardmax"
+                    else "n/a at TP > 1" if world > 1
+                    else _graph_gpu_us(step)
+                )  # fmt: skip
                 row["host_sync"] = _syncs(step)
                 row["fallback_rate"] = ""
                 if path == "shardmax+resolve":
@@ -465,24 +586,42 @@ def main(argv: list[str] | None = None) -> int:
                     if hasattr(res, "fallback"):
                         row["fallback_rate"] = float(res.fallback.float().mean())
                 results.append(row)
-                print(
+                say(
                     f"{mix:11} rows={row['rows']:4} {path:14} host {row['host_us_mean']:7.1f} us"
                     f" (p50 {row['host_us_p50']:6.1f})  gpu(loop) {row['gpu_us_loop']:7.1f} us"
                     f"  step {row['step_us']:7.1f} us  {row['tokens_per_s']:9.0f} tok/s"
                     f"  sync: {row['host_sync']}  {row['note']}",
                     flush=True,
                 )
-    path = out_dir / "engine.csv"
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in results:
-            w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
-    print(f"wrote {path}")
-    plot(path, path.with_suffix(".png"))
-    print(summary(results))
-    (out_dir / "ENGINE.md").write_text(summary(results) + "\n")
-    return 0
+    if rank == 0:
+        csv_path = out_dir / "engine.csv"
+        with csv_path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            w.writeheader()
+            for r in results:
+                w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
+        print(f"wrote {csv_path}")
+        plot(csv_path, csv_path.with_suffix(".png"))
+        print(summary(results))
+        (out_dir / "ENGINE.md").write_text(summary(results) + "\n")
+    return results
+
+
+def _rank_shard(full: torch.Tensor, rank: int, world: int, group: Any) -> RankShard | None:
+    """This rank's padded shard of the step's full logits at TP ``world`` > 1 (every rank's
+    copy of ``full`` replaced by rank 0's first: one broadcast), None at TP 1."""
+    if world == 1:
+        return None
+    import torch.distributed as dist
+
+    from shardmax.testing.shards import default_pad_to, vllm_shard_ranges
+
+    dist.broadcast(full, src=0, group=group)
+    vocab = full.shape[1]
+    start, num_valid, width = vllm_shard_ranges(vocab, world, default_pad_to(vocab, world))[rank]
+    local = torch.zeros((full.shape[0], width), dtype=full.dtype, device=full.device)
+    local[:, :num_valid] = full[:, start : start + num_valid]
+    return RankShard(local, start, num_valid, group)
 
 
 def plot(csv_path: Path, png_path: Path) -> None:
@@ -519,7 +658,9 @@ def plot(csv_path: Path, png_path: Path) -> None:
 
 def summary(results: list[dict[str, Any]]) -> str:
     """Markdown: one table per mix and the issue-19 targets, PASS/FAIL from these numbers."""
-    lines = ["# Engine-faithful loop (verification eager, as model runner V2 calls it)", ""]
+    tp = int(results[0]["tp"]) if results else 1
+    at = f" at TP {tp} (one process and GPU per rank, NCCL)" if tp > 1 else ""
+    lines = [f"# Engine-faithful loop{at} (verification eager, as model runner V2 calls it)", ""]
     by = {(r["mix"], r["rows"], r["path"]): r for r in results}
     for mix in dict.fromkeys(r["mix"] for r in results):
         lines += [f"## {mix}", "", "| rows | path | host us (mean / p50) | GPU us loop / graph | "

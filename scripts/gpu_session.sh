@@ -84,6 +84,8 @@
 #   bash scripts/gpu_session.sh CX  one H200: the split-graph GPU tests, the host costs (replayed
 #                                   TP > 1 steps gathering into the next graph's buffers against
 #                                   gather + copy), host profiles of resolving top-p engine calls
+#   bash scripts/gpu_session.sh T2  two H200s: the 2-GPU tests over NCCL, then the engine-faithful
+#                                   loop at TP 2 (benchmarks.engine --tp 2)
 #   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
 #                                   benchmark (after a change of the resolution's host path)
 # Tables accumulate in out/tables/<arch>/ (carry it from one stage to the next; copy the final
@@ -664,6 +666,24 @@ CX)
   echo "  rc=$?"; grep -E "^top_p |Error" "$OUT/engine_prof_CX.log"
   tar -czf "$OUT/CX.tar.gz" -C "$OUT" host_costs engine_prof 2>/dev/null
   rm -rf "$OUT/host_costs" "$OUT/engine_prof"
+  ;;
+T2)
+  # two H200s (kind nvidia-h200-x2): the 2-GPU tests over NCCL (greedy parity eager and
+  # graphed, a sampled step replayed from graphs split at its all_gathers == its launches),
+  # then the engine-faithful loop at TP 2 (every path on each rank's shard; vLLM's after the
+  # full-logits all-gather)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "2-GPU tests"
+  timeout "$(left 240)" python3 -m pytest -m multigpu -q -p no:cacheprovider \
+    tests/test_distributed.py >"$OUT/multigpu_T2.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/multigpu_T2.log" | tail -6
+  stamp "engine loop, TP 2"
+  timeout "$(left 585)" python3 -m benchmarks.engine --tp 2 --steps "${TP2_STEPS:-60}" \
+    --rounds 3 --out "$OUT/engine_tp2" >"$OUT/engine_tp2_T2.log" 2>&1
+  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) .*(shardmax|vllm) |Error" \
+    "$OUT/engine_tp2_T2.log" | head -40
+  tar -czf "$OUT/T2.tar.gz" -C "$OUT" engine_tp2 2>/dev/null
+  rm -rf "$OUT/engine_tp2"
   ;;
 RA)
   # after a change of resolve_apply / the host read: the host read's GPU test, the resolution

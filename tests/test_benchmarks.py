@@ -514,3 +514,27 @@ def test_nucleus_study_smoke(tmp_path: Path) -> None:
     assert "- sm90: bf16: C=" in paths["md"].read_text()  # read from the committed table
     assert "split top-p pipeline (modelled)" in paths["md"].read_text()
     assert ns.read_cells(paths["csv"]) == cells  # --from-csv re-renders the same numbers
+
+
+@pytest.mark.parametrize(("vocab", "tp"), [(1031, 2), (1031, 3), (200064, 8), (50257, 4)])
+def test_engine_tp_layout_rebuilds_vllm_full_logits(vocab: int, tp: int) -> None:
+    """The engine loop at TP > 1: each rank's padded shard (vLLM's layout), all-gathered along
+    dim 0, gives back exactly the full logits vLLM's LM head returns (padding dropped, ids in
+    place), and the shard the loop verifies is that rank's slice of the same logits."""
+    from benchmarks.engine import vllm_full_logits
+    from shardmax.testing.shards import default_pad_to, vllm_shard_ranges
+
+    full = torch.randn(3, vocab).to(torch.bfloat16)
+    full[1, -1] = 50.0  # the last id (next to the last rank's padding) and a first-shard id
+    full[2, 0] = 50.0
+    ranges = vllm_shard_ranges(vocab, tp, default_pad_to(vocab, tp))
+    shards = []
+    for start, num_valid, width in ranges:
+        local = torch.full((3, width), 99.0, dtype=full.dtype)  # padding that would win
+        local[:, :num_valid] = full[:, start : start + num_valid]
+        shards.append(local)
+    got = vllm_full_logits(torch.cat(shards, dim=0), tp, vocab)
+    assert got.shape == full.shape and torch.equal(got, full)
+    assert torch.equal(
+        got.argmax(dim=-1), torch.tensor([int(full[0].float().argmax()), vocab - 1, 0])
+    )
