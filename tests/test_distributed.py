@@ -272,9 +272,11 @@ def _gather_into_body(rank: int, world: int) -> None:
     from shardmax.runtime.collectives import TorchDistributed, gather_into
 
     coll = TorchDistributed(dist.group.WORLD)
-    for shape in ((5,), (3, 4)):
+    for shape in ((5,), (3, 4), (3, 2)):
         t = torch.arange(rank * 100, rank * 100 + torch.Size(shape).numel(), dtype=torch.int64)
         t = t.reshape(shape)
+        if shape == (3, 2):  # a strided send
+            t = torch.stack([t, t], dim=2).reshape(3, 4)[:, ::2]
         want = coll.all_gather_dim0(t)
         backing = torch.full((world * shape[0] + 1, *shape[1:]), -7, dtype=torch.int64)
         out = backing[: world * shape[0]]
@@ -290,41 +292,117 @@ def test_gloo_gather_into_a_given_buffer(gloo: RankPools, world: int) -> None:
 
 
 def _split_replay_body(rank: int, world: int) -> None:
-    """A sampled step (two-phase, T = 1, realistic traffic) on each rank's vLLM-layout shard
-    over NCCL: replayed from graphs split at its all_gathers (gathering straight into the next
-    graph's buffers) it returns the eager launches' outputs bit for bit, identical on every
-    rank, twice over."""
+    """Sampled steps (two-phase, T = 1, realistic traffic) on each rank's vLLM-layout shard over
+    NCCL, two batches of one shape taking turns: replayed from graphs split at their all_gathers
+    (gathering straight into the next graph's buffers) every step returns its own eager launches'
+    outputs bit for bit, identical on every rank."""
     from shardmax.plan import VocabShard
     from shardmax.runtime.validation import check_step_batch
     from shardmax.testing.traffic import realistic_batch
 
     dev = torch.device(f"cuda:{rank}")
-    t = realistic_batch(24, 3, 151936, seed=5, mix="temperature", device="cpu")
-    shard = shard_like_vllm(t.logits, world)[rank]
-    local = shard.local_logits.to(dev)
-    rows = local.shape[0]
+    steps = []
+    for seed in (5, 6):
+        t = realistic_batch(24, 3, 151936, seed=seed, mix="temperature", device="cpu")
+        shard = shard_like_vllm(t.logits, world)[rank]
+        local = shard.local_logits.to(dev)
+        batch = check_step_batch(
+            local.shape[0], dev, t.draft_sampled.to(dev), t.cu_num_logits.to(dev), t.pos.to(dev),
+            t.idx_mapping.to(dev), t.expanded_local_pos.to(dev), t.seed.to(dev),
+            t.num_speculative_steps, temperature=t.temperature.to(dev),
+        )  # fmt: skip
+        steps.append((local, batch, shard))
+    local0, _, shard0 = steps[0]
     vshard = VocabShard(
-        vocab_start=shard.vocab_start, num_valid=shard.num_valid, width=local.shape[1],
-        dtype=local.dtype, device=dev, group=dist.group.WORLD,
+        vocab_start=shard0.vocab_start, num_valid=shard0.num_valid, width=local0.shape[1],
+        dtype=local0.dtype, device=dev, group=dist.group.WORLD,
     )  # fmt: skip
-    batch = check_step_batch(
-        rows, dev, t.draft_sampled.to(dev), t.cu_num_logits.to(dev), t.pos.to(dev),
-        t.idx_mapping.to(dev), t.expanded_local_pos.to(dev), t.seed.to(dev),
-        t.num_speculative_steps, temperature=t.temperature.to(dev),
-    )  # fmt: skip
-    plan = vshard.verify(rows)
-    ref = [x.clone() for x in plan.run(local, batch)]
+    plan = vshard.verify(local0.shape[0])
+    refs = [[x.clone() for x in plan.run(local, batch)] for local, batch, _ in steps]
+    assert not all(torch.equal(a, b) for a, b in zip(refs[0], refs[1], strict=True))
     graphed = vshard.graphed(plan)
-    kept = []
-    for _ in range(4):  # eager, captured, replayed, replayed
+    held = []  # outputs kept alive, as vLLM keeps a step's: later steps take other slots
+    for i in range(6):  # eager, captured, then replayed, the batches taking turns
+        local, batch, _ = steps[i % 2]
         got = graphed.run(local, batch)
-        for g, w in zip(got, ref, strict=True):
-            assert torch.equal(g, w)
+        for g, w in zip(got, refs[i % 2], strict=True):
+            assert torch.equal(g, w), f"step {i}"
             _same_on_all_ranks(g, world)
-        kept.append(got)
+        held.append(got)
     assert graphed.num_graphs == 1
 
 
 @pytest.mark.multigpu
 def test_nccl_split_graph_replay_equals_the_launches() -> None:
     run_ranks(_split_replay_body, 2, "nccl")
+
+
+class _FakePyNccl:
+    """vLLM's PyNcclCommunicator as the coordinator route sees it: ``all_gather(out, in)``."""
+
+    def __init__(self, disabled: bool = False) -> None:
+        self.disabled, self.calls = disabled, 0
+
+    def all_gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor) -> None:
+        self.calls += 1
+        torch.cat([input_tensor, input_tensor + 100], out=output_tensor)
+
+
+def _fake_coordinator(comm: object) -> object:
+    import types
+
+    def all_gather(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        fake.own_gathers += 1
+        return torch.cat([t, t + 100], dim=dim)
+
+    fake = types.SimpleNamespace(
+        world_size=2, rank_in_group=0, device_group=object(), cpu_group=object(),
+        device_communicator=types.SimpleNamespace(pynccl_comm=comm), all_gather=all_gather,
+        own_gathers=0,
+    )  # fmt: skip
+    return fake
+
+
+def test_vllm_coordinator_gather_route_follows_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route of ``VllmCoordinator.all_gather_dim0_into`` is the one vLLM's CUDA all_gather
+    takes: PyNccl when present and enabled, the device group without it (or disabled, or on
+    ROCm), vLLM's own gather (then a copy) with symmetric memory on (its buffer registration is
+    collective), gloo for CPU tensors."""
+    import types
+
+    from shardmax.runtime.collectives import VllmCoordinator
+
+    cuda = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.delenv("VLLM_USE_NCCL_SYMM_MEM", raising=False)
+    assert VllmCoordinator(_fake_coordinator(_FakePyNccl())).gather_route(cuda) == "pynccl"
+    assert VllmCoordinator(_fake_coordinator(None)).gather_route(cuda) == "device_group"
+    disabled = VllmCoordinator(_fake_coordinator(_FakePyNccl(disabled=True)))
+    assert disabled.gather_route(cuda) == "device_group"
+    assert disabled.gather_route(torch.zeros(1)) == "cpu"
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    assert VllmCoordinator(_fake_coordinator(_FakePyNccl())).gather_route(cuda) == "device_group"
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setenv("VLLM_USE_NCCL_SYMM_MEM", "1")
+    assert VllmCoordinator(_fake_coordinator(_FakePyNccl())).gather_route(cuda) == "vllm"
+    monkeypatch.setenv("VLLM_USE_NCCL_SYMM_MEM", "0")
+    assert VllmCoordinator(_fake_coordinator(_FakePyNccl())).gather_route(cuda) == "pynccl"
+
+
+@pytest.mark.parametrize("route", ["pynccl", "vllm"])
+def test_vllm_coordinator_gathers_into_the_buffer(
+    monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    """Each CUDA route writes the gathered bytes into the given buffer: PyNccl with (output,
+    input) in that order and a contiguous send, vLLM's own gather copied in (routes forced on
+    CPU tensors)."""
+    from shardmax.runtime.collectives import VllmCoordinator, gather_into
+
+    comm = _FakePyNccl()
+    fake = _fake_coordinator(comm)
+    coll = VllmCoordinator(fake)
+    monkeypatch.setattr(coll, "gather_route", lambda t: route)
+    t = torch.arange(12, dtype=torch.int64).reshape(3, 4)[:, ::2]  # a strided send
+    out = torch.full((6, 2), -1, dtype=torch.int64)
+    gather_into(coll, t, out)
+    assert torch.equal(out, torch.cat([t, t + 100]))
+    assert (comm.calls, fake.own_gathers) == ((1, 0) if route == "pynccl" else (0, 1))

@@ -811,12 +811,16 @@ def test_failed_split_capture_restores_the_collective(monkeypatch: pytest.Monkey
     assert ctx.coll is real and not state["capturing"]
 
 
-def _fake_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """CUDA's graph simulated on the CPU: captures record nothing, replays run nothing; returns
-    the log of capture / replay events."""
-    log: list[str] = []
+def _fake_cuda_graphs(monkeypatch: pytest.MonkeyPatch, log: list[str]) -> None:
+    """CUDA's graph simulated on the CPU: captures record nothing, replays run nothing; every
+    capture and replay event goes into ``log`` (graph ``i``'s replay as ``replay i``)."""
 
     class FakeGraph:
+        made = 0
+
+        def __init__(self) -> None:
+            self.i, FakeGraph.made = FakeGraph.made, FakeGraph.made + 1
+
         def capture_begin(self, pool=None, capture_error_mode="global") -> None:
             log.append("begin")
 
@@ -824,28 +828,27 @@ def _fake_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             log.append("end")
 
         def replay(self) -> None:
-            log.append("replay")
+            log.append(f"replay {self.i}")
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
-    return log
 
 
 class _Pair:
     """A stand-in group of two ranks whose other rank sends ``t + 10``; its MAX adds 100 and
-    returns a new tensor (out of place). Logs each call."""
+    returns a new tensor (out of place). Logs each call into the shared ``log``."""
 
     world_size, rank = 2, 0
 
-    def __init__(self) -> None:
-        self.calls: list[str] = []
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
 
     def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
-        self.calls.append("gather")
+        self.log.append("gather")
         return torch.cat([t, t + 10])
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        self.calls.append("max")
+        self.log.append("max")
         return t + 100
 
 
@@ -853,11 +856,11 @@ class _PairInto(_Pair):
     """:class:`_Pair` with ``all_gather_dim0_into`` and the protocol's in-place MAX."""
 
     def all_gather_dim0_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
-        self.calls.append("into")
+        self.log.append("into")
         torch.cat([t, t + 10], out=out)
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        self.calls.append("max")
+        self.log.append("max")
         return t.add_(100)
 
 
@@ -868,12 +871,14 @@ def test_split_replay_gathers_into_the_next_graphs_buffer(
     """Replayed at TP > 1, a step's all_gather writes straight into the static buffer the next
     graph reads (the collective's ``all_gather_dim0_into``: no gather output, no copy); without
     that method its result is copied there. MAX leaves the reduced values in the recorded input,
-    which is the next graph's buffer (an out-of-place MAX is copied back). Nothing is gathered
-    while capturing."""
+    which is the next graph's buffer (an out-of-place MAX is copied back). Each collective runs
+    after the graph that produced its input and before the one that reads its result; nothing
+    is gathered while capturing."""
     import types
 
-    log = _fake_cuda_graphs(monkeypatch)
-    real = _PairInto() if into else _Pair()
+    log: list[str] = []
+    _fake_cuda_graphs(monkeypatch, log)
+    real = _PairInto(log) if into else _Pair(log)
     ctx = types.SimpleNamespace(coll=real)
     sent, local = torch.arange(3), torch.arange(4)
 
@@ -882,11 +887,12 @@ def test_split_replay_gathers_into_the_next_graphs_buffer(
 
     seg = graphs._Segments(ctx)
     gathered, reduced = seg.capture(body)
-    assert ctx.coll is real and real.calls == [] and log == ["begin", "end"] * 3
+    assert ctx.coll is real and log == ["begin", "end"] * 3  # no collective ran
     assert gathered.shape == (6,) and reduced.data_ptr() == local.data_ptr()
+    del log[:]
     seg.replay()
-    assert log[6:] == ["replay"] * 3
-    assert real.calls == (["into", "max"] if into else ["gather", "max"])
+    gather = "into" if into else "gather"
+    assert log == ["replay 0", gather, "replay 1", "max", "replay 2"]
     assert torch.equal(gathered, torch.tensor([0, 1, 2, 10, 11, 12]))
     assert torch.equal(reduced, torch.arange(100, 104)) and torch.equal(local, reduced)
 
@@ -899,7 +905,7 @@ def test_stand_in_groups_gather_into_what_they_gather() -> None:
     from shardmax.testing.replayed import ReplayedCollective
 
     t = torch.arange(12, dtype=torch.int64).reshape(3, 4)
-    recorded = [torch.arange(24, dtype=torch.int64).reshape(6, 4) * 7]
+    recorded = [torch.arange(24, dtype=torch.int64).reshape(6, 4) * k for k in (7, 9)]
     for coll in (
         SingleRank(),
         RepeatedRank(1),
@@ -912,3 +918,10 @@ def test_stand_in_groups_gather_into_what_they_gather() -> None:
         out = torch.full_like(want, -1)
         gather_into(coll, t, out)
         assert torch.equal(out, want), coll
+    # the replayed group hands out its recordings in call order, each in a fresh buffer
+    coll = ReplayedCollective(2, 0, recorded)
+    out = torch.empty_like(recorded[0])
+    first = coll.all_gather_dim0(t)
+    gather_into(coll, t, out)
+    assert torch.equal(first, recorded[0]) and torch.equal(out, recorded[1])
+    assert first.data_ptr() != recorded[0].data_ptr()

