@@ -84,6 +84,7 @@
 #   bash scripts/gpu_session.sh CX  one H200: the split-graph GPU tests, the host costs (replayed
 #                                   TP > 1 steps gathering into the next graph's buffers against
 #                                   gather + copy), host profiles of resolving top-p engine calls
+#   bash scripts/gpu_session.sh RS  one H200: a resolving top-p step part by part (benchmarks.resolution)
 #   bash scripts/gpu_session.sh T2  two H200s: the 2-GPU tests over NCCL, then the engine-faithful
 #                                   loop at TP 2 (benchmarks.engine --tp 2)
 #   bash scripts/gpu_session.sh Z   one H200: the resolution GPU tests, then stage U's top-p step
@@ -666,6 +667,17 @@ CX)
   echo "  rc=$?"; grep -E "^top_p |Error" "$OUT/engine_prof_CX.log"
   tar -czf "$OUT/CX.tar.gz" -C "$OUT" host_costs engine_prof 2>/dev/null
   rm -rf "$OUT/host_costs" "$OUT/engine_prof"
+  ;;
+RS)
+  # a resolving top-p step part by part (benchmarks/resolution.py: flag read, rows, gather, the
+  # captured resolution's host and GPU time, its kernels)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "resolution by part"
+  timeout "$(left 400)" python3 -m benchmarks.resolution --rows "${RS_ROWS:-96,512}" \
+    --out "$OUT/resolution" >"$OUT/resolution_RS.log" 2>&1
+  echo "  rc=$?"; grep -E "^\| |Error" "$OUT/resolution_RS.log" | head -40
+  tar -czf "$OUT/RS.tar.gz" -C "$OUT" resolution 2>/dev/null
+  rm -rf "$OUT/resolution"
   ;;
 T2)
   # two H200s (kind nvidia-h200-x2): the 2-GPU tests over NCCL (greedy parity eager and
