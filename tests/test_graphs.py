@@ -925,3 +925,80 @@ def test_stand_in_groups_gather_into_what_they_gather() -> None:
     gather_into(coll, t, out)
     assert torch.equal(first, recorded[0]) and torch.equal(out, recorded[1])
     assert first.data_ptr() != recorded[0].data_ptr()
+
+
+class _MaxWithPeer:
+    """A stand-in group of two ranks for the greedy all-reduce transport: MAX takes the
+    elementwise max with the other rank's keys (``peer``) in place, as NCCL's all_reduce does."""
+
+    world_size, rank = 2, 0
+
+    def __init__(self) -> None:
+        self.peer: torch.Tensor | None = None
+        self.calls = 0
+
+    def all_gather_dim0(self, t: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the all-reduce transport gathers nothing")
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        assert self.peer is not None
+        return torch.maximum(t, self.peer, out=t)
+
+
+def _greedy_allreduce_replays(device: str, vocab: int) -> None:
+    """One rank of a TP 2 greedy step on the all-reduce transport, replayed (split at its MAX on
+    a GPU) on three batches: the replay equals the launches bit for bit, and the other rank's
+    keys change the answer (so the MAX's result is what the finish reads)."""
+    from shardmax.ops.greedy import GreedyVerifyPlan
+    from shardmax.runtime.geometry import Geometry
+    from shardmax.runtime.shard import ShardContext
+    from shardmax.testing.shards import vllm_shard_ranges
+
+    ranges = vllm_shard_ranges(vocab, 2, 64)
+    width = ranges[0][2]
+    coll = _MaxWithPeer()
+    ctx = ShardContext(
+        coll, Geometry(tuple((s, n) for s, n, _ in ranges), width, torch.bfloat16), 0,
+        torch.device(device),
+    )  # fmt: skip
+    step = None
+    for seed in range(3):
+        t = realistic_batch(4, 3, vocab, seed=seed, mix="greedy", device=device)
+        pad = (0, width - ranges[0][1])
+        local = torch.nn.functional.pad(t.logits[:, : ranges[0][1]], pad).contiguous()
+        theirs = t.logits[:, ranges[1][0] : ranges[1][0] + ranges[1][1]]
+        peer = torch.nn.functional.pad(theirs, (0, width - ranges[1][1]), value=float("-inf"))
+        peer[1::2] += 5  # the other rank's best above this one's on every other row
+        rows = local.shape[0]
+        batch = check_step_batch(
+            rows, local.device, t.draft_sampled, t.cu_num_logits, t.pos, t.idx_mapping,
+            t.expanded_local_pos, t.seed, 3,
+        )  # fmt: skip
+        with override(transport="allreduce"):
+            plan = GreedyVerifyPlan(ctx, rows, width) if step is None else step.plan
+        assert plan.transport == "allreduce"
+        coll.peer = plan.local(local).clone()  # the other rank sends this rank's keys
+        alone = plan.run(local, batch)
+        coll.peer = plan.local(peer.contiguous()).clone()
+        ref = plan.run(local, batch)
+        assert not _equal(alone, ref), f"seed {seed}: the other rank's keys change nothing"
+        if step is None:
+            step = GraphedStep(plan)
+        for k in range(graphs.CAPTURE_AFTER + 2):  # eager, captured, replayed twice
+            assert _equal(step.run(local.clone(), batch), ref), f"seed {seed} call {k}"
+    assert step is not None and step.num_graphs == 1
+    if device == "cuda":
+        graph = next(iter(step._graphs.values())).graph
+        assert graph is not None and [c[0] for c in graph.calls] == ["all_reduce_max"]
+
+
+def test_greedy_allreduce_step_replays_with_its_max() -> None:
+    _greedy_allreduce_replays("cpu", 1031)
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_allreduce_step_replays_its_in_place_max() -> None:
+    """On the H200 the step is captured split at its MAX, which runs eagerly in place on the
+    recorded keys (the next graph's buffer)."""
+    _greedy_allreduce_replays("cuda", 151936)
