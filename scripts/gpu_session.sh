@@ -655,7 +655,7 @@ CX)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
   stamp "split-graph GPU tests"
   timeout "$(left 200)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_graphs.py \
-    -k "split or sync" >"$OUT/graphs_CX.log" 2>&1
+    -k "split or sync or allreduce" >"$OUT/graphs_CX.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/graphs_CX.log" | tail -6
   stamp "host costs"
   timeout "$(left 330)" python3 -m benchmarks.host_costs --out "$OUT/host_costs" \
