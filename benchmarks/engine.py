@@ -52,7 +52,9 @@ mode and the event / stream waits it does not report). Targets of issue
 19 are evaluated from these numbers only. Needs a GPU.
 
 At ``--tp N`` (N GPUs; one process each, NCCL) every rank runs the same loop with the same
-fixed step counts on its vLLM-layout shard of the same logits: shardmax's paths verify the shard
+fixed step counts on its vLLM-layout shard of the same logits (each step built on the host, so
+every rank holds the same bits; a rank that fails prints its traceback and exits, and the run
+stops): shardmax's paths verify the shard
 (replayed from graphs split at the step's collectives, which run eagerly between the replays;
 the resolution all-gathers the flagged requests' rows), vLLM's path all-gathers the full logits
 first as its LM head does (an all_gather of every rank's padded shard, then the ``[rows, V]``
@@ -69,6 +71,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import statistics
 import sys
 import time
@@ -452,7 +455,11 @@ def _spawn(args: argparse.Namespace) -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    """One rank of ``--tp``: its GPU, the NCCL group, the loop."""
+    """One rank of ``--tp``: its GPU, the NCCL group, the loop. A rank that fails prints its
+    traceback and exits at once (the other ranks would wait in a collective it never makes; the
+    parent then stops them) instead of meeting them in a barrier they are not in."""
+    import os
+    import traceback
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -463,12 +470,16 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=600), device_id=dev)  # fmt: skip
+                            world_size=world, timeout=timedelta(seconds=180), device_id=dev)  # fmt: skip
     try:
         _run(args, rank, world, dist.group.WORLD)
-    finally:
-        dist.barrier(device_ids=[rank])
-        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+    dist.barrier(device_ids=[rank])
+    dist.destroy_process_group()
 
 
 def _run(
@@ -504,7 +515,11 @@ def _run(
         for rows in rows_list:
             reqs = max(1, rows // (args.k + 1))
             traffic = realistic_batch(reqs, args.k, args.vocab, seed=rows, mix=mix,
-                                      device="cuda")  # fmt: skip
+                                      device="cuda" if world == 1 else "cpu")  # fmt: skip
+            if world > 1:  # built on the host (the same bits on every rank), then moved
+                for fld in dataclasses.fields(traffic):
+                    if isinstance(v := getattr(traffic, fld.name), torch.Tensor):
+                        setattr(traffic, fld.name, v.to("cuda"))
             me = _rank_shard(traffic.logits, rank, world, group)
             kw = verify_inputs(traffic) if chain is not None else None
             prefill = (kw["seq_lens"], kw["prefill_len"]) if kw is not None else (None, None)
@@ -608,15 +623,12 @@ def _run(
 
 
 def _rank_shard(full: torch.Tensor, rank: int, world: int, group: Any) -> RankShard | None:
-    """This rank's padded shard of the step's full logits at TP ``world`` > 1 (every rank's
-    copy of ``full`` replaced by rank 0's first: one broadcast), None at TP 1."""
+    """This rank's padded shard of the step's full logits at TP ``world`` > 1 (the step is
+    built on the host, so every rank holds the same bits), None at TP 1."""
     if world == 1:
         return None
-    import torch.distributed as dist
-
     from shardmax.testing.shards import default_pad_to, vllm_shard_ranges
 
-    dist.broadcast(full, src=0, group=group)
     vocab = full.shape[1]
     start, num_valid, width = vllm_shard_ranges(vocab, world, default_pad_to(vocab, world))[rank]
     local = torch.zeros((full.shape[0], width), dtype=full.dtype, device=full.device)

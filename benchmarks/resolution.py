@@ -8,9 +8,11 @@ the resolution at a fixed capacity replayed from CUDA graphs
 (:meth:`~shardmax.integrations.vllm.resolution.CapturedResolution.resolve`: one table upload,
 ``resolve_fill``, vLLM's chain on the padded sub-batch, ``resolve_apply``). This benchmark
 times each part alone on realistic T = 1 / top-p 0.95 steps (V = 200064, bf16, K = 3, the
-level-histogram plan the plug-in runs on top-p-only steps): host us of each part, and the GPU
-us of the resolution (CUDA events around ``resolve`` on an idle GPU), with a torch profile of
-the resolution's kernels (GPU us per call by kernel name). Row counts whose batch flags no
+level-histogram plan the plug-in runs on top-p-only steps): host us of each part (the flag
+read includes waiting for the replayed step's GPU work), the resolution from its call until its
+GPU work is done (CUDA events around ``resolve`` on an idle GPU: its host work, then its
+kernels), and a torch profile of the resolution's kernels alone (GPU us per call by kernel
+name). Row counts whose batch flags no
 request are reported as such. Needs a GPU and vLLM 0.33's kernels (``scripts/vllm_sources.sh
 0.33.0``, ``SHARDMAX_VLLM_KERNELS``).
 
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 
 PARTS = ("replayed step", "flag read", "resolution_rows", "gather_rows", "resolve (host)",
-         "resolve (GPU)")  # fmt: skip
+         "resolve (until its GPU work is done)")  # fmt: skip
 FIELDS = ["rows", "reqs", "flagged", "gathered_rows", "part", "us_p50", "us_p90"]
 KERNEL_FIELDS = ["rows", "kernel", "gpu_us_per_call"]
 
