@@ -81,6 +81,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .report import write_rows
+
 FIELDS = [
     "mix", "rows", "reqs", "vocab", "dtype", "tp", "path", "host_us_mean", "host_us_p50",
     "host_us_p90", "host_us_p50_best_round", "gpu_us_loop", "gpu_us_graph", "step_us",
@@ -440,7 +442,7 @@ def _spawn(args: argparse.Namespace) -> int:
 
     import torch.multiprocessing as mp
 
-    from benchmarks.step import free_port
+    from .step import free_port
 
     found = torch.cuda.device_count()
     if found < args.tp:
@@ -464,7 +466,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
 
     import torch.distributed as dist
 
-    from benchmarks import ensure_shardmax_layout
+    from . import ensure_shardmax_layout
 
     ensure_shardmax_layout()
     dev = torch.device("cuda", rank)
@@ -610,11 +612,7 @@ def _run(
                 )
     if rank == 0:
         csv_path = out_dir / "engine.csv"
-        with csv_path.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            w.writeheader()
-            for r in results:
-                w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
+        write_rows(csv_path, FIELDS, results)
         print(f"wrote {csv_path}")
         plot(csv_path, csv_path.with_suffix(".png"))
         print(summary(results))

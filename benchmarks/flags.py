@@ -30,7 +30,6 @@ Writes ``flags.csv``, ``flags.png`` and ``FLAGS.md`` (only after every case ran)
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 from collections import Counter
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .report import write_rows
 
 FIELDS = [
     "vocab", "tp", "rows", "reqs_per_step", "steps", "path", "mode", "candidates",
@@ -332,11 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += got
     out = args.out or Path("benchmarks/results") / (detect_arch() or "unknown")
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "flags.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
+    write_rows(out / "flags.csv", FIELDS, rows)
     plot(rows, out / "flags.png")
     (out / "FLAGS.md").write_text(summary(rows) + "\n")
     print(summary(rows))

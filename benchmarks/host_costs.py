@@ -65,7 +65,6 @@ Needs a GPU.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
@@ -75,6 +74,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .report import write_rows
 
 METHODS = ("none", "to_cpu", "pinned_stream", "pinned_event", "pinned_event_blocking",
            "pinned_poll")  # fmt: skip
@@ -465,11 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                                ("launches.csv", LAUNCH_FIELDS, launch_rows),
                                ("replay_parts.csv", PART_FIELDS, part_rows),
                                ("split_replay.csv", SPLIT_FIELDS, split_rows)):  # fmt: skip
-        with (out / name).open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            for r in data:
-                w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
+        write_rows(out / name, fields, data)
     text = summary(rows, launch_rows, part_rows, split_rows)
     (out / "HOST_COSTS.md").write_text(text + "\n")
     print(text)

@@ -47,6 +47,16 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def write_rows(path: Path, fields: list[str], rows: Iterable[dict[str, Any]]) -> None:
+    """One whole CSV of a benchmark: the header ``fields``, then each row's values (floats with
+    two decimals), ``path`` overwritten."""
+    with Path(path).open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
 class CsvAppender:
     """Writes a header once, then one flushed row per call (partial runs keep their rows)."""
 

@@ -23,7 +23,6 @@ request are reported as such. Needs a GPU and vLLM 0.33's kernels (``scripts/vll
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .report import write_rows
 
 PARTS = ("replayed step", "flag read", "resolution_rows", "gather_rows", "resolve (host)",
          "resolve (until its GPU work is done)")  # fmt: skip
@@ -162,11 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name, fields, data in (("resolution.csv", FIELDS, parts),
                                ("kernels.csv", KERNEL_FIELDS, kernels)):  # fmt: skip
-        with (out / name).open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            for r in data:
-                w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
+        write_rows(out / name, fields, data)
     text = summary(parts, kernels, notes)
     (out / "RESOLUTION.md").write_text(text + "\n")
     print(text)

@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from .report import write_rows
+
 FIELDS = [
     "vocab", "tp", "rows", "path", "steps", "calls", "host_us", "latency_us", "flagged_req_pct",
     "resolved_steps_pct", "mismatch", "speedup_latency_vs_vllm",
@@ -324,11 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = args.out or Path("benchmarks/results") / (detect_arch() or "unknown") / "topp_step"
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "topp_step.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in r.items()})
+    write_rows(out / "topp_step.csv", FIELDS, rows)
     plot(rows, out / "topp_step.png")
     (out / "TOPP_STEP.md").write_text(summary(rows) + "\n")
     print(summary(rows))

@@ -538,3 +538,13 @@ def test_engine_tp_layout_rebuilds_vllm_full_logits(vocab: int, tp: int) -> None
     assert torch.equal(
         got.argmax(dim=-1), torch.tensor([int(full[0].float().argmax()), vocab - 1, 0])
     )
+
+
+def test_write_rows_writes_the_header_and_two_decimal_floats(tmp_path: Path) -> None:
+    """The benchmarks' whole-file CSV writer: header, rows in order, floats with two decimals."""
+    from benchmarks.report import read_csv, write_rows
+
+    path = tmp_path / "x.csv"
+    write_rows(path, ["a", "b"], [{"a": 1, "b": 2.345}, {"a": "x", "b": 0.5}])
+    assert path.read_text().splitlines() == ["a,b", "1,2.35", "x,0.50"]
+    assert read_csv(path)[0]["b"] == 2.35
