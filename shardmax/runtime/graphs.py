@@ -63,10 +63,11 @@ indirect launches run eagerly (a slot's outputs are written by the copy), so the
 exercise everything except the capture itself.
 
 At TP > 1 the capture is split at the step's collectives (:class:`_Segments`): graph, eager
-collective, graph, ... -- each collective runs on its recorded input between the replays, gathering straight
-into the static buffer the next graph reads (a collective without ``all_gather_dim0_into``: its
-result copied there; MAX reduces that input in place), so no NCCL call is ever captured
-and every rank runs the same collectives in the same order as the eager step. Plans whose
+collective, graph, ... -- each collective runs on its recorded input between the replays,
+gathering straight into the static buffer the next graph reads (a collective without
+``all_gather_dim0_into``: its result copied there; MAX reduces that input in place), so no NCCL
+call is ever captured and every rank runs the same collectives in the same order as the eager
+step. Plans whose
 kernels read the logits directly (strict mode's block statistics, the level histograms of top-p
 steps: :func:`reads_logits_directly`) replay on a static copy of the logits, copied in before
 each replay.
