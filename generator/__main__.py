@@ -6,7 +6,8 @@ python -m generator --arch all      also compile every variant for sm90 and gfx9
                                     write generated/<arch>/resources.json
 python -m generator --check --arch all   CI: stale check + compile check (the committed
                                     resources.json == a fresh compile by the same Triton, and no
-                                    new register spill in a variant a table can select)
+                                    new register spill in a launch a table can select: the
+                                    variant at the warps the table names)
 
 The same command is `shardmax-generate` (console script) or `python -m shardmax.generator`
 from any directory once shardmax is installed; `python -m generator` works from the
@@ -23,23 +24,33 @@ import sys
 import time
 from pathlib import Path
 
-from .aot import compile_all
+from .aot import compile_all, launch_resources
 from .console import prog_name, progress
 from .render import generated_dir, render_all, stale_files, write_all
 from .space import ARCHES
-from .spills import spill_report
+from .spills import extra_launches, launch_name, spill_report
 
 
 def stale_resources(out: Path, variants: list[str]) -> list[str]:
     """Arches whose ``resources.json`` (the AOT report the tuner prunes with) does not list
-    exactly these variants (``"sm90: 3 missing, 0 extra"``)."""
+    exactly these variants, or exactly the launches the arch's tables select at other warps
+    (``"sm90: 3 missing, 0 extra"``, ``"sm90 launches: 2 missing, 0 extra"``)."""
     problems = []
     for arch in ARCHES:
         path = out / arch / "resources.json"
-        have = set(json.loads(path.read_text()).get("variants", {})) if path.exists() else set()
+        report = json.loads(path.read_text()) if path.exists() else {}
+        have = set(report.get("variants", {}))
         missing, extra = set(variants) - have, have - set(variants)
         if missing or extra:
             problems.append(f"{arch}: {len(missing)} missing, {len(extra)} extra")
+            continue
+        per = report["variants"]
+        want = {
+            launch_name(x, int(per[x.variant]["num_warps"])) for x in extra_launches(out, arch, per)
+        }
+        got = set(report.get("launches", {}))
+        if want != got:
+            problems.append(f"{arch} launches: {len(want - got)} missing, {len(got - want)} extra")
     return problems
 
 
@@ -50,7 +61,8 @@ def resource_drift(committed: dict, compiled: dict) -> list[str]:
     if committed.get("triton_version") != compiled.get("triton_version"):
         return []
     out = []
-    old, new = committed.get("variants", {}), compiled.get("variants", {})
+    old = {**committed.get("variants", {}), **committed.get("launches", {})}
+    new = {**compiled.get("variants", {}), **compiled.get("launches", {})}
     for name in sorted(set(old) & set(new)):
         diffs = [
             f"{k} {old[name].get(k)} -> {v}" for k, v in new[name].items() if old[name].get(k) != v
@@ -131,10 +143,18 @@ def main(argv: list[str] | None = None) -> int:
 
             records = compile_all(out, variants, arches, on_compiled=tick)
         for arch, rec in records.items():
+            per = rec["variants"]
+            rec["launches"] = {
+                launch_name(x, int(per[x.variant]["num_warps"])): launch_resources(
+                    str(out), arch, x.variant, x.num_warps, x.config
+                )
+                for x in extra_launches(out, arch, per)
+            }
             spilling = [n for n, r in rec["variants"].items() if r["spill_bytes"] > 0]
             print(
-                f"{arch}: compiled {len(rec['variants'])} variants with Triton "
-                f"{rec['triton_version']}; spilling: {spilling or 'none'}"
+                f"{arch}: compiled {len(rec['variants'])} variants and {len(rec['launches'])} "
+                f"launches the tables select at other warps, with Triton {rec['triton_version']}; "
+                f"variants spilling at their nominal warps: {spilling or 'none'}"
             )
             path = out / arch / "resources.json"
             new, gone = spill_report(out, arch, rec)
@@ -142,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{arch}: no longer spilling (drop from generator/spills.py KNOWN_SPILLS): "
                       f"{gone}")  # fmt: skip
             if new:
-                print(f"{arch}: new register spills in variants a table can select: {new}\n"
+                print(f"{arch}: new register spills in launches a table can select: {new}\n"
                       "fix the template or the table (or list it, with the reason, in "
                       "generator/spills.py KNOWN_SPILLS)", file=sys.stderr)  # fmt: skip
                 stale_report = stale_report or args.check

@@ -5,7 +5,9 @@ to PTX + cubin (cuda) or AMDGCN + hsaco (hip) without a device. The resource rep
 spills, scratch, shared memory) goes to ``generated/<arch>/resources.json`` so that the tuner
 can prune spilling points before timing (design §4) and CI proves every variant compiles for
 both targets. A module that declares ``NUM_WARPS`` (a kernel always launched with those warps)
-is compiled at them, the others at 4 warps.
+is compiled at them, a local-stage variant at its built-in warps (:func:`nominal_warps`), the
+others at 4; the launches the arch's tables select at other warps are compiled apart
+(:func:`compile_launch`; ``generator/spills.py`` names them).
 
 ``spill_bytes`` is memory: local-memory spill stores + loads per thread (ptxas, cuda); on hip
 the scratch bytes per lane of a kernel that spills. On gfx950 a spilled VGPR first goes to an
@@ -16,6 +18,7 @@ only what does not fit there lands in scratch, which the scratch size shows. ``v
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -125,11 +128,32 @@ def _compile(
     return res
 
 
+LOCAL_FAMILIES = ("shard_keys", "sampled_record", "sampled_draw")
+"""Families whose warps a table row (or the built-in rule) chooses per launch."""
+
+
+def nominal_warps(name: str, mod: ModuleType | None = None) -> int:
+    """The warps a variant's report entry is compiled at: the module's ``NUM_WARPS`` (a kernel
+    always launched with them); a local-stage variant's built-in warps
+    (:func:`shardmax.runtime.defaults.default_num_warps`: what the runtime launches where no
+    table row names warps); 4 otherwise. The warps a table row names may differ: those launches
+    are compiled apart (:func:`compile_launch`, ``resources.json``'s ``launches``)."""
+    from shardmax.runtime.defaults import default_num_warps
+    from shardmax.runtime.variants import parse_name
+
+    if mod is not None and hasattr(mod, "NUM_WARPS"):
+        return int(mod.NUM_WARPS)
+    key = parse_name(name)
+    if key.family in LOCAL_FAMILIES and key.block is not None:
+        return default_num_warps(key.family, key.block)
+    return 4
+
+
 def compile_variant(mod: ModuleType, arch: ArchLimits, num_warps: int = 4) -> dict[str, Any]:
     """Compile one generated module for ``arch`` at its ``CONSTEXPRS``; returns its resource
-    record (at the module's ``NUM_WARPS`` when it declares them). A module's ``CONFIGS`` (``{name: constexpr overrides}``: other constexpr sets the
-    runtime launches, e.g. the record kernel's phase 1) are compiled too, under
-    ``record["configs"][name]``."""
+    record (at the module's ``NUM_WARPS`` when it declares them, else ``num_warps``). A module's
+    ``CONFIGS`` (``{name: constexpr overrides}``: other constexpr sets the runtime launches,
+    e.g. the record kernel's phase 1) are compiled too, under ``record["configs"][name]``."""
     num_warps = getattr(mod, "NUM_WARPS", num_warps)
     res = _compile(mod, mod.CONSTEXPRS, arch, num_warps)
     configs = getattr(mod, "CONFIGS", {})
@@ -139,6 +163,45 @@ def compile_variant(mod: ModuleType, arch: ArchLimits, num_warps: int = 4) -> di
             for name, over in sorted(configs.items())
         }
     return res
+
+
+def compile_launch(
+    mod: ModuleType, arch: ArchLimits, num_warps: int, config: str | None = None
+) -> dict[str, Any]:
+    """The resource record of one launch of a generated module: ``num_warps`` warps, its
+    ``CONSTEXPRS`` with the ``CONFIGS[config]`` overrides (none: the defaults).
+
+    Raises:
+        ValueError: ``config`` not one of the module's ``CONFIGS``.
+    """
+    configs = getattr(mod, "CONFIGS", {})
+    if config is not None and config not in configs:
+        raise ValueError(f"config: {config!r} is not one of the module's CONFIGS {sorted(configs)}")
+    over = configs[config] if config is not None else {}
+    return _compile(mod, {**mod.CONSTEXPRS, **over}, arch, num_warps)
+
+
+@functools.cache
+def launch_resources(
+    gen_dir: str, arch: str, name: str, num_warps: int, config: str | None = None
+) -> dict[str, Any]:
+    """:func:`compile_launch` of variant ``name`` in ``gen_dir`` for ``arch`` (an id of
+    :data:`~generator.space.ARCHES`), cached per process (the tuner asks once per point). Needs
+    real Triton kernels: not under ``TRITON_INTERPRET=1``.
+
+    Raises:
+        KeyError: an unknown arch. RuntimeError: the compile failed (named).
+    """
+    mod = load_module(Path(gen_dir) / f"{name}.py")
+    try:
+        return compile_launch(mod, ARCHES[arch], num_warps, config)
+    except ValueError:
+        raise
+    except Exception as e:  # name the launch, keep the cause
+        raise RuntimeError(
+            f"AOT compile of {name} at {num_warps} warps"
+            f"{'' if config is None else f' [{config}]'} for {arch} failed: {e}"
+        ) from e
 
 
 def compile_all(
@@ -161,7 +224,7 @@ def compile_all(
         for name in names:
             mod = load_module(gen_dir / f"{name}.py")
             try:
-                records[name] = compile_variant(mod, arch)
+                records[name] = compile_variant(mod, arch, nominal_warps(name, mod))
             except Exception as e:  # report which variant failed, keep the cause
                 raise RuntimeError(f"AOT compile of {name} for {arch_id} failed: {e}") from e
             if on_compiled is not None:

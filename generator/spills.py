@@ -1,99 +1,157 @@
-"""Register spills of the variants a GPU's tables can select (issue 22: AMD readiness).
+"""Register spills of the launches a GPU's tables can select (issue 22: AMD readiness).
 
-The AOT report (``generated/<arch>/resources.json``) lists every variant's spill bytes; a spill
-matters where the runtime can launch the variant on that arch. :func:`selectable` is that set:
-every local-stage variant a row of the arch's tables names, adapted to every dtype (and, for the
-greedy local stage, both alignments) as the dispatcher adapts it, the two-phase draw kernel at
-its built-in block, and every finish / merge / strict kernel (the runtime picks those by TP and
-mode, never by table); and, as ``<name>[phase1]`` / ``<name>[phase1_topp]``, the record
-kernel's phase-1 constexpr sets at every block a ``sampled`` row's ``launch["phase1"]`` names
-(compiled by the AOT report from the module's ``CONFIGS``). ``generator --check --arch ...`` fails on a spill in that set that
-:data:`KNOWN_SPILLS` does not list -- a new one -- and says which known ones went away.
+A spill depends on the warps as much as on the variant: the one-pass record kernel at block
+4096 spills 2.6 KB per thread on sm90 at 4 warps and nothing at 8. So the unit here is a
+:class:`Launch` -- variant, warps, constexpr set. The AOT report
+(``generated/<arch>/resources.json``) holds every variant at its nominal warps
+(:func:`generator.aot.nominal_warps`) under ``variants`` and, under ``launches``, every selected
+launch at other warps (:func:`launch_name`: ``<variant>@w<warps>[<config>]``).
+
+:func:`selected_launches` is what the runtime can launch on that arch: every local-stage row of
+the arch's tables at the row's warps, adapted to every dtype (and, for the greedy local stage,
+both alignments) as the dispatcher adapts it; the record kernel's phase-1 constexpr sets at the
+block and warps of every ``sampled`` row's ``launch["phase1"]``; the built-in rule's launches
+(:func:`shardmax.runtime.defaults.builtin_launch`, the two-phase draw kernel); and every finish /
+merge / strict kernel at its own warps (the runtime picks those by TP and mode, never by
+table). ``generator --check --arch ...`` fails on a spill in that set that :data:`KNOWN_SPILLS`
+does not list -- a new one -- and says which known ones went away.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from shardmax.runtime.defaults import DEFAULT_RECORD_BLOCK
+from shardmax.runtime.defaults import DEFAULT_RECORD_BLOCK, DRAW_WARPS
 from shardmax.runtime.variants import DTYPES, VariantKey, parse_name
 
+from .aot import LOCAL_FAMILIES
+
 TABLE_OPS = ("argmax", "verify", "sampled")
-LOCAL_FAMILIES = ("shard_keys", "sampled_record", "sampled_draw")
 
 KNOWN_SPILLS: dict[str, dict[str, str]] = {"sm90": {}, "gfx950": {}}
-"""Spills of selectable variants that are known and accepted for now, per arch, with why. Empty:
-no variant a table can select spills to memory on either arch. (The gfx950 entries this once
-held -- every ``sampled_record_*_b2048`` and ``sampled_finish_tp{2,4,8}`` -- were SGPR spills
-into VGPR lanes, no memory traffic, which the report counted as bytes; they are
-``sgpr_spills`` now, see :mod:`generator.aot`.)"""
-
+"""Spills of selectable launches that are known and accepted for now, per arch, with why (keys:
+:func:`launch_name`). Empty: no launch a table can select spills to memory on either arch. (The
+gfx950 entries this once held -- every ``sampled_record_*_b2048`` and ``sampled_finish_tp{2,4,8}``
+-- were SGPR spills into VGPR lanes, no memory traffic, which the report counted as bytes; they
+are ``sgpr_spills`` now, see :mod:`generator.aot`.)"""
 
 PHASE1 = "phase1"
-"""The record kernel's phase-1 constexpr sets (``CONFIGS`` of ``sampled_record_*`` named
-``phase1*``: a plain and a level-histogram top-p step's): a table row's ``launch["phase1"]``
-block launches them; their spills are reported as ``<name>[phase1]`` / ``<name>[phase1_topp]``."""
+"""Prefix of the record kernel's phase-1 constexpr sets (``CONFIGS`` of ``sampled_record_*``:
+a plain and a level-histogram top-p step's): a table row's ``launch["phase1"]`` launches them."""
 
 
-def selectable_phase1(out: Path, arch: str, variants: list[str]) -> set[str]:
-    """Record variants (of ``variants``) the ``sampled`` table's ``phase1`` launches name, in
-    every dtype."""
-    path = out / arch / "sampled.json"
+class Launch(NamedTuple):
+    """One way the runtime launches a generated variant."""
+
+    variant: str
+    num_warps: int
+    config: str | None = None  # a name of the module's CONFIGS; None: its CONSTEXPRS
+
+
+def launch_name(launch: Launch, nominal: int) -> str:
+    """``<variant>[@w<warps>][<config>]``: the warps only where they differ from the variant's
+    report entry's (``nominal``)."""
+    warps = "" if launch.num_warps == nominal else f"@w{launch.num_warps}"
+    config = "" if launch.config is None else f"[{launch.config}]"
+    return f"{launch.variant}{warps}{config}"
+
+
+def _rows(out: Path, arch: str, op: str) -> list[dict[str, Any]]:
+    path = out / arch / f"{op}.json"
     if not path.exists():
-        return set()
-    chosen = set()
-    for row in json.loads(path.read_text())["rows"]:
-        p1 = row.get("launch", {}).get(PHASE1)
-        if isinstance(p1, dict) and isinstance(p1.get("block"), int):
-            for d in DTYPES:
-                chosen.add(VariantKey("sampled_record", dtype=d, block=p1["block"]).name)
-    return chosen & set(variants)
+        return []
+    return list(json.loads(path.read_text())["rows"])
 
 
-def selectable(out: Path, arch: str, variants: list[str]) -> set[str]:
-    """The variants (of ``variants``) the runtime can launch on ``arch`` at their default
-    constexprs given the tables in ``out/<arch>/`` (see the module docstring)."""
-    chosen: set[str] = set()
+def _adapted(key: VariantKey) -> list[str]:
+    """The variant in every dtype (and, for ``shard_keys``, both alignments) the dispatcher
+    adapts a row to."""
+    aligns = (1, 16) if key.family == "shard_keys" else (None,)
+    return [
+        VariantKey(key.family, dtype=d, align=a, block=key.block).name
+        for d in DTYPES
+        for a in aligns
+    ]
+
+
+def selected_launches(out: Path, arch: str, variants: dict[str, dict[str, Any]]) -> set[Launch]:
+    """The launches (of the report's ``variants``: ``{name: record}``) the runtime can make on
+    ``arch`` given the tables in ``out/<arch>/`` (see the module docstring)."""
+    from shardmax.runtime.defaults import default_num_warps
+
+    chosen: set[Launch] = set()
     for op in TABLE_OPS:
-        path = out / arch / f"{op}.json"
-        if not path.exists():
-            continue
-        for row in json.loads(path.read_text())["rows"]:
+        for row in _rows(out, arch, op):
             name = row.get("variant")
             if not isinstance(name, str) or name == "plain":
                 continue
             key = parse_name(name)
-            aligns = (1, 16) if key.family == "shard_keys" else (None,)
-            for d in DTYPES:
-                for a in aligns:
-                    chosen.add(VariantKey(key.family, dtype=d, align=a, block=key.block).name)
+            launch = row.get("launch", {})
+            for n in _adapted(key):  # the dispatcher's default warps: 4
+                chosen.add(Launch(n, int(launch.get("num_warps", 4))))
+            p1 = launch.get(PHASE1)
+            if op == "sampled" and isinstance(p1, dict) and isinstance(p1.get("block"), int):
+                for d in DTYPES:
+                    n = VariantKey("sampled_record", dtype=d, block=p1["block"]).name
+                    for cname in variants.get(n, {}).get("configs", {}):
+                        if cname.startswith(PHASE1):
+                            chosen.add(Launch(n, int(p1["num_warps"]), cname))
+    # the built-in rule (no table row, a CPU, an arch without tables)
+    for block in (1024, 4096):
+        for n in _adapted(VariantKey("shard_keys", dtype="bf16", align=16, block=block)):
+            chosen.add(Launch(n, default_num_warps("shard_keys", block)))
     for d in DTYPES:
-        chosen.add(VariantKey("sampled_draw", dtype=d, block=DEFAULT_RECORD_BLOCK).name)
-    for name in variants:
+        record = VariantKey("sampled_record", dtype=d, block=DEFAULT_RECORD_BLOCK).name
+        chosen.add(Launch(record, default_num_warps("sampled_record", DEFAULT_RECORD_BLOCK)))
+        draw = VariantKey("sampled_draw", dtype=d, block=DEFAULT_RECORD_BLOCK).name
+        chosen.add(Launch(draw, DRAW_WARPS))
+    for name, entry in variants.items():
         if parse_name(name).family not in LOCAL_FAMILIES:
-            chosen.add(name)
-    return chosen & set(variants)
+            chosen.add(Launch(name, int(entry.get("num_warps", 4))))
+    return {c for c in chosen if c.variant in variants}
+
+
+def extra_launches(out: Path, arch: str, variants: dict[str, dict[str, Any]]) -> list[Launch]:
+    """The selected launches at warps other than their variant's report entry's: what the report
+    compiles apart, under ``launches`` (sorted)."""
+    return sorted(
+        (
+            launch
+            for launch in selected_launches(out, arch, variants)
+            if launch.num_warps != int(variants[launch.variant].get("num_warps", 4))
+        ),
+        key=lambda x: (x.variant, x.num_warps, x.config or ""),
+    )
+
+
+def launch_records(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every compiled launch of an AOT report by :func:`launch_name`: the variants and their
+    configs at their nominal warps, then the report's ``launches``."""
+    out: dict[str, dict[str, Any]] = {}
+    for n, r in record["variants"].items():
+        out[n] = r
+        for cname, c in r.get("configs", {}).items():
+            out[f"{n}[{cname}]"] = c
+    out.update(record.get("launches", {}))
+    return out
 
 
 def spill_report(out: Path, arch: str, record: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """``(new, gone)``: selectable variants of a fresh AOT ``record`` that spill and are not in
-    :data:`KNOWN_SPILLS` (``"name: N bytes"``), and known entries that no longer spill."""
-    per = record["variants"]
+    """``(new, gone)`` of an AOT ``record`` (``variants`` and ``launches``): selected launches
+    that spill, or that the record does not hold (named so: a stale report), and are not in
+    :data:`KNOWN_SPILLS` (``"name: N bytes"``); known entries that no longer spill."""
+    variants = record["variants"]
     known = KNOWN_SPILLS.get(arch, {})
-    spills = {n: int(r["spill_bytes"]) for n, r in per.items()}
-    for n, r in per.items():
-        for cname, c in r.get("configs", {}).items():
-            spills[f"{n}[{cname}]"] = int(c["spill_bytes"])
-    chosen = selectable(out, arch, list(per))
-    chosen |= {
-        f"{n}[{cname}]"
-        for n in selectable_phase1(out, arch, list(per))
-        for cname in per[n].get("configs", {})
-        if cname.startswith(PHASE1)
-    }
-    spilling = {n for n in chosen if spills.get(n, 0) > 0}
-    new = [f"{n}: {spills[n]} bytes" for n in sorted(spilling - set(known))]
-    gone = sorted(n for n in known if n in spills and spills[n] == 0)
+    compiled = launch_records(record)
+    problems: dict[str, str] = {}
+    for launch in selected_launches(out, arch, variants):
+        name = launch_name(launch, int(variants[launch.variant].get("num_warps", 4)))
+        if name not in compiled:
+            problems[name] = "not in the report"
+        elif int(compiled[name]["spill_bytes"]) > 0:
+            problems[name] = f"{int(compiled[name]['spill_bytes'])} bytes"
+    new = [f"{n}: {why}" for n, why in sorted(problems.items()) if n not in known]
+    gone = sorted(n for n in known if n in compiled and int(compiled[n]["spill_bytes"]) == 0)
     return new, gone

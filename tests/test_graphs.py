@@ -595,16 +595,17 @@ def test_gpu_nccl_all_gather_is_captured(tmp_path) -> None:
 
 _AOT_SCRIPT = """
 import json, sys
-from generator.aot import _compile, load_module
+from generator.aot import _compile, load_module, nominal_warps
 from generator.render import generated_dir
 from generator.space import ARCHES
 out = {}
 for name, over in json.loads(sys.argv[1]):
     mod = load_module(generated_dir() / f"{name}.py")
     base = {**mod.CONSTEXPRS, **{k: v for k, v in over.items() if k != "INDIRECT"}}
+    warps = nominal_warps(name, mod)
     for arch in ("sm90", "gfx950"):
-        direct = _compile(mod, base, ARCHES[arch], 4)
-        indirect = _compile(mod, {**base, **over}, ARCHES[arch], 4)
+        direct = _compile(mod, base, ARCHES[arch], warps)
+        indirect = _compile(mod, {**base, **over}, ARCHES[arch], warps)
         out[f"{name}/{arch}"] = (direct["spill_bytes"], indirect["spill_bytes"])
 print(json.dumps(out))
 """
@@ -613,7 +614,7 @@ print(json.dumps(out))
 def test_indirect_launches_compile_ahead_of_time_without_spills() -> None:
     """The INDIRECT constexpr sets (not in the AOT report: one more load than the direct sets)
     compile for sm90 and gfx950 and spill no more than the direct sets, at the widest tile each
-    family runs (a subprocess: the AOT compiler needs Triton without the interpreter)."""
+    family runs and its nominal warps (a subprocess: the AOT compiler needs Triton without the interpreter)."""
     from tests._aot import run_compiled
 
     cases = [

@@ -101,6 +101,16 @@ def test_spill_report_names_new_spills_of_selectable_variants(tmp_path) -> None:
     new, gone = spill_report(tmp_path, "sm90", rec)
     assert new == ["sampled_finish_tp2_allgather: 4 bytes", "sampled_record_fp32_b2048: 8 bytes"]
     assert gone == []
+    # a row at other warps than the report entry's: that launch is what counts, under launches
+    rec["variants"]["sampled_record_bf16_b2048"] = {"spill_bytes": 0, "num_warps": 4}
+    row["launch"] = {"num_warps": 8}
+    (tmp_path / "sm90" / "sampled.json").write_text(json.dumps({"rows": [row]}))
+    new, _ = spill_report(tmp_path, "sm90", rec)
+    assert "sampled_record_bf16_b2048@w8: not in the report" in new  # a stale report, named
+    rec["launches"] = {"sampled_record_bf16_b2048@w8": {"spill_bytes": 12}}
+    new, _ = spill_report(tmp_path, "sm90", rec)
+    assert "sampled_record_bf16_b2048@w8: 12 bytes" in new
+    del rec["launches"], rec["variants"]["sampled_record_bf16_b2048"]
     # a phase1 launch selects its block's phase-1 constexpr set (reported under "configs")
     row["launch"] = {"phase1": {"block": 4096, "splits": 2, "num_warps": 4}}
     (tmp_path / "sm90" / "sampled.json").write_text(json.dumps({"rows": [row]}))
@@ -117,6 +127,48 @@ def test_spill_report_names_new_spills_of_selectable_variants(tmp_path) -> None:
         mp.setitem(KNOWN_SPILLS, "gfx950", {known: "a known spill"})
         new, gone = spill_report(tmp_path, "gfx950", {"variants": {known: {"spill_bytes": 0}}})
     assert new == [] and gone == [known]
+
+
+def test_no_launch_a_table_can_select_spills_on_either_arch() -> None:
+    """Issue 22's AMD readiness, on the committed AOT reports: every launch the sm90 and
+    gfx950 tables (and the built-in rule) can select -- the variant at the warps named, every
+    constexpr set -- is in the report and spills nothing to memory; and no variant spills at its
+    nominal warps."""
+    from generator.spills import extra_launches, selected_launches, spill_report
+
+    for arch in ("sm90", "gfx950"):
+        report = json.loads((generated_dir() / arch / "resources.json").read_text())
+        assert spill_report(generated_dir(), arch, report) == ([], []), arch
+        spilling = [n for n, r in report["variants"].items() if r["spill_bytes"] > 0]
+        assert spilling == [], (arch, spilling)
+        launches = selected_launches(generated_dir(), arch, report["variants"])
+        assert len(launches) > len(report["variants"]) // 2
+        if arch == "sm90":  # tuned tables name warps the nominal entries do not have
+            assert extra_launches(generated_dir(), arch, report["variants"])
+
+
+def test_nominal_warps_follow_the_builtin_rule() -> None:
+    """A local-stage variant's report entry is compiled at the warps the runtime launches it
+    with where no table names any (``default_num_warps``); a kernel that declares
+    ``NUM_WARPS`` at those; everything else at 4."""
+    from generator.aot import nominal_warps
+    from shardmax.runtime.defaults import builtin_launch, default_num_warps
+
+    assert nominal_warps("shard_keys_bf16_va16_b4096") == 8
+    assert nominal_warps("shard_keys_bf16_va1_b1024") == 4
+    assert nominal_warps("sampled_record_bf16_b2048") == 4
+    assert nominal_warps("sampled_record_fp32_b4096") == 8  # 16 elements per thread, no spill
+    assert nominal_warps("sampled_draw_fp16_b2048") == 8
+    assert nominal_warps("sampled_pick") == 4
+    fin = importlib.import_module("shardmax.generated.sampled_finish_tp2_allgather")
+    assert nominal_warps("sampled_finish_tp2_allgather", fin) == fin.NUM_WARPS
+    for op, block in (("argmax", 4096), ("verify", 1024), ("sampled", 2048)):
+        axes, launch = builtin_launch(op, "bf16", 32, 50016 if block > 1024 else 900, 16, 264)
+        assert axes["block"] == block, (op, axes)
+        assert launch["num_warps"] == default_num_warps(axes["family"], block)
+    for bad in (("shard_keys", 3000), ("sampled_finish", 2048)):
+        with pytest.raises(ValueError, match=r"block|family"):
+            default_num_warps(*bad)
 
 
 def test_hip_report_counts_memory_spills_not_sgpr_lane_spills() -> None:

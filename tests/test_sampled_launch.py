@@ -195,7 +195,7 @@ def test_sampled_space():
     assert {c.candidates for c in candidates(b, "sm90", quick=True, top_k_max=31)} == {32, 64, 128}
     with pytest.raises(ValueError, match="top_k_max"):
         candidates(b, "sm90", top_k_max=128)
-    # gfx950: every record tile spills in the AOT report; all are kept rather than none
+    # gfx950: no record tile spills in the AOT report at the quick warps; all are kept
     assert {c.block for c in candidates(b, "gfx950", quick=True)} == {1024, 2048, 4096}
     for bad in ("rec_b2048_w4_x8_c0", "rec_b2048_w4_x8_c48", "rec_b0_w4_x1_c64"):
         with pytest.raises(ValueError, match="config"):

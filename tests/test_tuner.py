@@ -141,17 +141,106 @@ def test_space_static_pruning(monkeypatch):
         "allgather",
         "allreduce",
     }
-    wide = Bucket("argmax", "bf16", 1, 16, 200064, 32, 200064)
-    spill = {
-        "variants": {
-            f"shard_keys_bf16_va16_b{b}": {"spill_bytes": 64 if b == 8192 else 0}
-            for b in (1024, 2048, 4096, 8192)
-        }
-    }
-    monkeypatch.setattr(space, "arch_resources", lambda arch: spill["variants"])
-    assert 8192 not in {c.block for c in candidates(wide, "sm90")}
     assert Config.parse("b4096_w8_s2_x4_allreduce") == Config(4096, 8, 2, 4, "allreduce")
     assert Config.parse("plain").is_plain
+
+
+def test_space_prunes_spilling_points_per_warps(monkeypatch) -> None:
+    """A spill belongs to a (variant, warps) point: the report's nominal entry judges its own
+    warps, its ``launches`` the warps the tables named; with ``compile_check`` (a GPU tuning
+    run) any other point is compiled once and pruned where it spills; without, the nominal
+    entry judges it."""
+    report = {
+        "variants": {
+            f"shard_keys_bf16_va16_b{b}": {
+                "spill_bytes": 64 if b == 8192 else 0, "num_warps": 8 if b >= 4096 else 4,
+            }
+            for b in (1024, 2048, 4096, 8192)
+        },
+        "launches": {"shard_keys_bf16_va16_b4096@w4": {"spill_bytes": 32}},
+    }  # fmt: skip
+    monkeypatch.setattr(space, "_report", lambda arch: report)
+    wide = Bucket("argmax", "bf16", 1, 16, 200064, 32, 200064)
+
+    def points(**kw) -> set[tuple[int, int]]:
+        return {(c.block, c.num_warps) for c in candidates(wide, "sm90", quick=True, **kw)
+                if not c.is_plain}  # fmt: skip
+
+    got = points()
+    assert (4096, 4) not in got and {(4096, 8), (4096, 16), (2048, 16)} <= got
+    assert not any(b == 8192 for b, _ in got)  # nominal spill, no compile: every warps pruned
+    notes = space.pruned_report(wide, "sm90", quick=True)
+    assert "shard_keys_bf16_va16_b4096 at 4 warps: spills 32 B at 4 warps" in notes
+    assert "shard_keys_bf16_va16_b8192 at 16 warps: spills 64 B" in notes
+    calls: list[tuple[str, int, str | None]] = []
+
+    def compiled(gen_dir, arch, name, warps, config=None):
+        calls.append((name, warps, config))
+        return {"spill_bytes": 16 if name.endswith("b2048") and warps == 16 else 0}
+
+    monkeypatch.setattr(space, "launch_resources", compiled)
+    got = points(compile_check=True)
+    assert (2048, 16) not in got and (2048, 8) in got and (4096, 4) not in got
+    assert (8192, 16) in got and (8192, 8) not in got  # compiled at 16: fine; 8 is the nominal
+    held = {("shard_keys_bf16_va16_b4096", 4), ("shard_keys_bf16_va16_b4096", 8)}
+    assert not held & {(n, w) for n, w, _ in calls}  # the report's points are not compiled
+    ok, why = space.launch_ok("shard_keys_bf16_va16_b2048", "sm90", 16, compile_check=True)
+    assert not ok and why == "spills 16 B at 16 warps"
+
+    def broken(gen_dir, arch, name, warps, config=None):
+        raise RuntimeError("AOT compile of x failed: ptxas error\nmore")
+
+    monkeypatch.setattr(space, "launch_resources", broken)
+    ok, why = space.launch_ok("shard_keys_bf16_va16_b2048", "sm90", 2, compile_check=True)
+    assert not ok and why.startswith("does not compile at 2 warps: AOT compile of x failed")
+
+
+def test_phase1_launches_that_spill_are_not_usable(monkeypatch) -> None:
+    """tuner/phases.py takes only phase-1 launches whose every phase-1 constexpr set, in every
+    dtype, does not spill at the launch's warps on the arch."""
+    from shardmax.tuner.phases import phase1_usable
+
+    cfg = {"phase1": {"spill_bytes": 0}, "phase1_topp": {"spill_bytes": 0}}
+    report = {
+        "variants": {
+            f"sampled_record_{d}_b{b}": {"spill_bytes": 0, "num_warps": 4 if b <= 2048 else 8,
+                                         "configs": cfg}
+            for d in ("bf16", "fp16", "fp32") for b in (1024, 2048, 4096)
+        },
+        "launches": {"sampled_record_fp32_b4096@w4[phase1_topp]": {"spill_bytes": 40}},
+    }  # fmt: skip
+    monkeypatch.setattr(space, "_report", lambda arch: report)
+    assert phase1_usable("sm90", {"block": 4096, "splits": 4, "num_warps": 8}, compile_check=False)
+    assert not phase1_usable("sm90", {"block": 4096, "splits": 4, "num_warps": 4})
+    assert phase1_usable("sm90", {"block": 2048, "splits": 4, "num_warps": 4}, compile_check=False)
+
+
+def test_a_launch_compiles_at_the_warps_asked(tmp_path) -> None:
+    """``generator.aot.launch_resources`` compiles a variant at other warps (and a constexpr
+    set) for sm90 and gfx950 without a GPU: more warps, fewer elements per thread, fewer
+    registers per thread; an unknown constexpr set is refused by name."""
+    from tests._aot import run_compiled
+
+    script = """
+import json, sys
+from generator.aot import launch_resources
+from generator.render import generated_dir
+out = {}
+for arch in ("sm90", "gfx950"):
+    for w in (4, 16):
+        r = launch_resources(str(generated_dir()), arch, "sampled_record_bf16_b4096", w, "phase1")
+        out[f"{arch}/{w}"] = [r["num_warps"], r["registers"]]
+try:
+    launch_resources(str(generated_dir()), "sm90", "sampled_record_bf16_b4096", 8, "nope")
+except ValueError as e:
+    out["error"] = str(e)
+print(json.dumps(out))
+"""
+    out = run_compiled(script, [])
+    for arch in ("sm90", "gfx950"):
+        (w4, r4), (w16, r16) = out[f"{arch}/4"], out[f"{arch}/16"]
+        assert (w4, w16) == (4, 16) and 0 < r16 < r4, (arch, out)
+    assert "nope" in out["error"] and "phase1" in out["error"]
 
 
 def _m(name: str, p50: float, spread: float = 0.0) -> export.Measured:

@@ -316,6 +316,10 @@ def test_phases_from_a_measured_benchmark(tmp_path) -> None:
     assert measured[(2, 96)].two_phase == 25.0
     assert measured[(2, 96)].phase1 == {"block": 4096, "splits": 4, "num_warps": 8}
     assert measured[(1, 4)].phase1 is None and measured[(2, 32)].phases == 2
+    # a phase-1 launch that spills on the arch is never taken: the next fastest agreeing one is
+    no_b4096 = measured_phases(path, usable=lambda launch: launch["block"] != 4096)
+    assert no_b4096[(2, 96)].phase1 == {"block": 2048, "splits": 2, "num_warps": 4}
+    assert no_b4096[(2, 96)].two_phase == 27.0
     # the real second exchange makes 17 + 10 > 20 at 32 rows (nearest: 4 rows' latency)
     charged = measured_phases(path, exchange_latency(step))
     assert charged[(2, 32)].phases == 1 and charged[(2, 32)].exchange == 10.0

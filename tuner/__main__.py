@@ -218,6 +218,7 @@ def _sweep(
     args: Any, arch: str, ops: tuple[str, ...], out_dir: Path, on_gpu: bool, write: bool
 ) -> int:
     import torch
+    from shardmax.generator.space import ARCHES
 
     from . import export, study
     from .objective import BucketRunner, Dist, Lockstep, Runner, worker_loop
@@ -254,6 +255,9 @@ def _sweep(
             mode = "cpu interpreter (meaningless timings)"
     root = dist_ctx is None or dist_ctx.is_root
     quick_space = args.space == "quick" if args.space else (args.quick or not on_gpu)
+    # points at warps the AOT report does not hold are compiled for the arch and pruned where
+    # they spill (tuner/space.py); a CPU run writes no table and keeps the report's verdicts
+    compile_check = on_gpu and arch in ARCHES
     import time
 
     deadline = time.monotonic() + args.budget_s if args.budget_s is not None else None
@@ -316,6 +320,7 @@ def _sweep(
                 quick=quick_space,
                 distributed=dist_ctx is not None,
                 top_k_max=DEFAULT_TOP_K_MAX if args.top_k_max is None else args.top_k_max,
+                compile_check=compile_check,
             )
             runner: BucketRunner
             if op == "sampled":
@@ -325,7 +330,7 @@ def _sweep(
             if not root:
                 worker_loop(runner)
                 continue
-            notes = pruned_report(b, arch)
+            notes = pruned_report(b, arch, quick=quick_space, compile_check=compile_check)
             print(
                 f"  {b.slug} ({', '.join(b.models)}): {len(configs)} points"
                 + (f"; pruned: {'; '.join(notes)}" if notes else ""),

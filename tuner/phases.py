@@ -20,7 +20,8 @@ best two-phase time plus that exchange was below the one-pass time at the measur
 that stands for the row's bucket (the largest measured count ``<= rows_le``, else the smallest
 measured), else 1; ``launch["phase1"]`` = the fastest phase-1 launch of the sweep there (only
 on two-phase rows, only when the CSV has a sweep; its splits are capped to each row's width by
-the dispatcher); the measured times next to it. Rows of a TP that was not measured, and the
+the dispatcher; a launch that spills on the arch is never chosen, :func:`phase1_usable`); the
+measured times next to it. Rows of a TP that was not measured, and the
 catch-all, take TP 1's answer at the bucket (the catch-all: at the largest measured count). The
 table's provenance records the sources.
 
@@ -33,7 +34,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -111,11 +114,14 @@ def _nearest(by_rows: dict[int, float], rows: int) -> float:
 
 
 def measured_phases(
-    csv_path: Path, exchange: dict[int, float] | None = None
+    csv_path: Path,
+    exchange: dict[int, float] | None = None,
+    usable: Callable[[dict[str, int]], bool] | None = None,
 ) -> dict[tuple[int, int], Measured]:
     """``(tp, rows) -> Measured`` of a ``sampled_local`` CSV; ``exchange``: rows -> us of the
     second exchange (:func:`exchange_latency`), charged at TP > 1. Sweep runs whose outputs did
-    not agree with the two-phase step's are ignored.
+    not agree with the two-phase step's are ignored, and so are phase-1 launches ``usable``
+    rejects (:func:`phase1_usable`: those that spill on the arch).
 
     Raises:
         ValueError: the CSV has no one_pass / two_phase pair.
@@ -134,7 +140,8 @@ def measured_phases(
         if hit and (r.get("note") or "").startswith("agrees"):
             b, s, w = (int(g) for g in hit.groups())
             launch = {"block": b, "splits": s, "num_warps": w}
-            sweep.setdefault(key, []).append((us, launch))
+            if usable is None or usable(launch):
+                sweep.setdefault(key, []).append((us, launch))
     out = {}
     for (tp, rows, m), one in p50.items():
         if m != "one_pass" or (tp, rows, "two_phase") not in p50:
@@ -194,6 +201,33 @@ def apply_phases(
     return table
 
 
+def phase1_usable(arch: str, launch: dict[str, int], *, compile_check: bool | None = None) -> bool:
+    """Whether a phase-1 launch (block, warps) runs on ``arch`` without spilling: every phase-1
+    constexpr set of ``sampled_record_<dtype>_b<block>`` in every dtype (a row's phase 1 serves
+    them all) at its warps (:func:`tuner.space.launch_ok`; ``compile_check`` default: compile
+    what the AOT report does not hold unless Triton's interpreter is on, which cannot)."""
+    from shardmax.generator.spills import PHASE1
+
+    from shardmax.runtime.variants import DTYPES, VariantKey
+
+    from .space import arch_resources, launch_ok
+
+    if compile_check is None:
+        compile_check = os.environ.get("TRITON_INTERPRET") != "1"
+    for d in DTYPES:
+        name = VariantKey("sampled_record", dtype=d, block=int(launch["block"])).name
+        configs = [
+            c for c in arch_resources(arch).get(name, {}).get("configs", {}) if c.startswith(PHASE1)
+        ]
+        for config in configs:
+            ok, _ = launch_ok(
+                name, arch, int(launch["num_warps"]), config, compile_check=compile_check
+            )
+            if not ok:
+                return False
+    return True
+
+
 def write_phases(
     csv_path: Path, out_dir: Path, arch: str, exchange_csv: Path | None = None
 ) -> Path:
@@ -207,7 +241,7 @@ def write_phases(
     if not path.exists():
         raise ValueError(f"{path}: no sampled table to annotate (tune --op sampled first)")
     exchange = exchange_latency(exchange_csv) if exchange_csv is not None else None
-    measured = measured_phases(csv_path, exchange)
+    measured = measured_phases(csv_path, exchange, lambda launch: phase1_usable(arch, launch))
     table = apply_phases(
         json.loads(path.read_text()),
         measured,

@@ -5,7 +5,11 @@ op ``sampled``: ``rec_b2048_w4_x8_c64``) is the single categorical Optuna parame
 the bucket's study, so the sampler only ever sees statically valid points (design §5 rule 1):
 
 * block <= next_pow2(width) (the smallest block if the shard is narrower than it);
-* the generated variant exists and does not spill on this arch (``generated/<arch>/resources.json``);
+* the generated variant exists and, at the point's warps, does not spill on this arch: the AOT
+  report (``generated/<arch>/resources.json``) holds each variant at its nominal warps and the
+  launches the tables select at others; with ``compile_check`` (a tuning run on the GPU) a point
+  at other warps is compiled for the arch (:func:`launch_ok`) -- the record kernel at block 4096
+  spills 2.6 KB per thread on sm90 at 4 warps and nothing at 8;
 * num_warps within the arch limit (``ArchLimits.num_warps``: wave64 on gfx950) and at least
   :data:`MIN_ELEMS_PER_THREAD` elements of the block per thread;
 * num_stages in 1..3; splits a power of two, ``splits * block <= 2 * width``, ``<= 32``;
@@ -14,7 +18,7 @@ the bucket's study, so the sampler only ever sees statically valid points (desig
   ``plain`` is offered only for tp == 1 (no collective involved).
 
 Op ``sampled`` (the sampled-verification record kernel, :func:`shardmax.sharded_verify`): block
-in ``SAMPLED_BLOCKS`` (non-spilling ``sampled_record_<dtype>_b<block>``), warps, splits as
+in ``SAMPLED_BLOCKS`` (``sampled_record_<dtype>_b<block>`` at warps where it does not spill), warps, splits as
 above, and ``candidates`` C in :data:`shardmax.ops.sampled.CANDIDATE_CHOICES` with ``C > top_k_max``
 (the admission constraint: every top-k request with ``k <= top_k_max`` keeps running sharded,
 whatever C the table picks; the default 63 keeps the built-in contract ``k < 64``). Transport is
@@ -32,7 +36,10 @@ from importlib import resources
 from typing import Any
 
 import triton
+from shardmax.generator.aot import launch_resources
+from shardmax.generator.render import generated_dir
 from shardmax.generator.space import ARCHES, BLOCKS, SAMPLED_BLOCKS, ArchLimits
+from shardmax.generator.spills import Launch, launch_name, launch_records
 
 from shardmax.runtime.defaults import CANDIDATE_CHOICES, MAX_RECORD_SPLITS, MAX_SPLITS
 from shardmax.runtime.dispatch import PLAIN, Problem, Selection, builtin_default
@@ -147,23 +154,62 @@ class Config:
 
 
 @cache
-def arch_resources(arch: str) -> dict[str, dict[str, Any]]:
-    """AOT registers/spills per variant for ``arch`` (empty if not recorded)."""
+def _report(arch: str) -> dict[str, Any]:
+    """``generated/<arch>/resources.json`` of the installed package (empty if not recorded)."""
     try:
         path = resources.files("shardmax.generated") / arch / "resources.json"
-        data = json.loads(path.read_text())
+        return dict(json.loads(path.read_text()))
     except (FileNotFoundError, ModuleNotFoundError, OSError):
         return {}
-    return dict(data.get("variants", {}))
 
 
-def _variant_ok(name: str, arch: str) -> tuple[bool, str]:
+def arch_resources(arch: str) -> dict[str, dict[str, Any]]:
+    """AOT registers/spills per variant at its nominal warps for ``arch`` (empty if not
+    recorded)."""
+    return dict(_report(arch).get("variants", {}))
+
+
+def arch_launches(arch: str) -> dict[str, dict[str, Any]]:
+    """The AOT report's compiled launches for ``arch`` (:func:`generator.spills.launch_records`:
+    variants at their nominal warps, their configs, the tables' launches at other warps)."""
+    return launch_records({"variants": {}, **_report(arch)})
+
+
+def launch_ok(
+    name: str,
+    arch: str,
+    num_warps: int | None = None,
+    config: str | None = None,
+    *,
+    compile_check: bool = False,
+) -> tuple[bool, str]:
+    """``(ok, why not)``: variant ``name`` is compiled for ``arch`` and does not spill at
+    ``num_warps`` (None: at its nominal warps) with its constexpr set ``config`` (a name of the
+    module's ``CONFIGS``; None: its defaults). A launch the report does not hold (other warps)
+    is compiled with ``compile_check`` (:func:`generator.aot.launch_resources`, once per
+    process; ``arch`` one of the generator's ``ARCHES``; not under the interpreter), else judged
+    by the variant's entry at its nominal warps."""
     res = arch_resources(arch)
     info = res.get(name)
     if res and info is None:
         return False, "not compiled for this arch"
-    if info is not None and int(info.get("spill_bytes", 0)) > 0:
-        return False, f"spills {info['spill_bytes']} B"
+    if info is None:
+        return True, ""
+    nominal = int(info.get("num_warps", 4))
+    warps = nominal if num_warps is None else int(num_warps)
+    launches = arch_launches(arch)
+    rec = launches.get(launch_name(Launch(name, warps, config), nominal))
+    if rec is None and compile_check and arch in ARCHES:
+        try:
+            rec = launch_resources(str(generated_dir()), arch, name, warps, config)
+        except RuntimeError as e:  # cannot run here either
+            return False, f"does not compile at {warps} warps: {str(e).splitlines()[0][:200]}"
+    nominal_rec = launches.get(launch_name(Launch(name, nominal, config), nominal), info)
+    if rec is None:
+        rec = nominal_rec
+    if int(rec.get("spill_bytes", 0)) > 0:
+        at = "" if rec is nominal_rec and warps != nominal else f" at {warps} warps"
+        return False, f"spills {rec['spill_bytes']} B{at}"
     return True, ""
 
 
@@ -181,6 +227,50 @@ def _splits(block: int, width: int, cap: int) -> list[int]:
     ]
 
 
+def _local_name(bucket: Bucket, block: int) -> str:
+    if bucket.op == "sampled":
+        return VariantKey("sampled_record", dtype=bucket.dtype, block=block).name
+    return VariantKey("shard_keys", dtype=bucket.dtype, align=bucket.align, block=block).name
+
+
+def local_points(
+    bucket: Bucket, arch: str, *, quick: bool = False, compile_check: bool = False
+) -> tuple[list[tuple[int, int]], list[str]]:
+    """``(points, notes)``: the ``(block, warps)`` pairs of the bucket's local-stage variant
+    that fit the block (see the module docstring) and do not spill on ``arch``
+    (:func:`launch_ok`), in a fixed order, and why the others were pruned. Op ``sampled``: where
+    every pair spills (an arch whose report says so), all are kept -- a timing can still rank
+    them -- and the note says so."""
+    lim = limits_of(arch)
+    sampled = bucket.op == "sampled"
+    if sampled:
+        blocks = list(SAMPLED_BLOCKS)
+        warps_all = QUICK_SAMPLED_WARPS if quick else lim.num_warps
+    else:
+        cap = triton.next_power_of_2(bucket.width)
+        blocks = [b for b in BLOCKS if b <= cap] or [min(BLOCKS)]
+        warps_all = QUICK_WARPS if quick else lim.num_warps
+    fits: list[tuple[int, int]] = []
+    for block in blocks:
+        warps = [
+            w
+            for w in warps_all
+            if w in lim.num_warps and w * lim.warp_size * MIN_ELEMS_PER_THREAD <= block
+        ] or [min(lim.num_warps)]
+        fits.extend((block, w) for w in warps)
+    points, notes = [], []
+    for block, w in fits:
+        ok, why = launch_ok(_local_name(bucket, block), arch, w, compile_check=compile_check)
+        if ok:
+            points.append((block, w))
+        else:
+            notes.append(f"{_local_name(bucket, block)} at {w} warps: {why}")
+    if sampled and not points:
+        kept = [(b, w) for b, w in fits if _local_name(bucket, b) in arch_resources(arch)]
+        return kept, [f"every sampled_record_{bucket.dtype} point spills on {arch}: all kept"]
+    return points, notes
+
+
 def candidates(
     bucket: Bucket,
     arch: str,
@@ -188,47 +278,41 @@ def candidates(
     quick: bool = False,
     distributed: bool = False,
     top_k_max: int = DEFAULT_TOP_K_MAX,
+    compile_check: bool = False,
 ) -> list[Config]:
     """Statically valid configs of ``bucket`` on ``arch``, in a fixed order (``top_k_max``: op
-    ``sampled`` only, see the module docstring)."""
+    ``sampled`` only; ``compile_check``: compile points the AOT report does not hold; see the
+    module docstring)."""
     if bucket.op == "sampled":
-        return sampled_candidates(bucket, arch, quick=quick, top_k_max=top_k_max)
-    lim = limits_of(arch)
+        return sampled_candidates(
+            bucket, arch, quick=quick, top_k_max=top_k_max, compile_check=compile_check
+        )
     width = bucket.width
-    cap = triton.next_power_of_2(width)
-    blocks = [b for b in BLOCKS if b <= cap] or [min(BLOCKS)]
-    warps_all = QUICK_WARPS if quick else lim.num_warps
     stages = QUICK_STAGES if quick else STAGES
     transports: tuple[str, ...] = TRANSPORTS if distributed and bucket.tp > 1 else ("allgather",)
     out: list[Config] = []
     if distributed or bucket.tp == 1:
         out.append(Config(0))
-    for block in blocks:
-        ok, _ = _variant_ok(
-            VariantKey("shard_keys", dtype=bucket.dtype, align=bucket.align, block=block).name, arch
-        )
-        if not ok:
-            continue
-        warps = [
-            w
-            for w in warps_all
-            if w in lim.num_warps and w * lim.warp_size * MIN_ELEMS_PER_THREAD <= block
-        ] or [min(lim.num_warps)]
-        splits = _splits(block, width, MAX_SPLITS)
+    points, _ = local_points(bucket, arch, quick=quick, compile_check=compile_check)
+    for block in dict.fromkeys(b for b, _ in points):  # the order of old: block, transport, warps
         for t in transports:
-            for w in warps:
+            for w in (w for b, w in points if b == block):
                 for st in stages:
-                    for s in splits:
+                    for s in _splits(block, width, MAX_SPLITS):
                         out.append(Config(block, w, st, s, t))
     return out
 
 
 def sampled_candidates(
-    bucket: Bucket, arch: str, *, quick: bool = False, top_k_max: int = DEFAULT_TOP_K_MAX
+    bucket: Bucket,
+    arch: str,
+    *,
+    quick: bool = False,
+    top_k_max: int = DEFAULT_TOP_K_MAX,
+    compile_check: bool = False,
 ) -> list[Config]:
-    """Op ``sampled``: record block x warps x splits x C (see the module docstring). Spilling
-    tiles are pruned unless every tile spills on ``arch`` (gfx950's AOT report), where all are
-    kept: the spill report is made at C = 64 and cannot tell the tiles apart, a timing can.
+    """Op ``sampled``: record block x warps x splits x C (see the module docstring), the
+    ``(block, warps)`` pairs of :func:`local_points`.
 
     Raises:
         ValueError: no C of :data:`shardmax.ops.sampled.CANDIDATE_CHOICES` exceeds ``top_k_max``.
@@ -238,46 +322,20 @@ def sampled_candidates(
         raise ValueError(
             f"top_k_max: {top_k_max} leaves no candidates C > it (choices {CANDIDATE_CHOICES})"
         )
-    lim = limits_of(arch)
-    width = bucket.width
-    warps_all = QUICK_SAMPLED_WARPS if quick else lim.num_warps
-    names = {
-        b: VariantKey("sampled_record", dtype=bucket.dtype, block=b).name for b in SAMPLED_BLOCKS
-    }
-    ok_blocks = [b for b in SAMPLED_BLOCKS if _variant_ok(names[b], arch)[0]]
-    if not ok_blocks:  # every tile spills here (gfx950's AOT report): time them all anyway
-        ok_blocks = [b for b in SAMPLED_BLOCKS if names[b] in arch_resources(arch)]
+    points, _ = local_points(bucket, arch, quick=quick, compile_check=compile_check)
     out: list[Config] = []
-    for block in ok_blocks:
-        warps = [
-            w
-            for w in warps_all
-            if w in lim.num_warps and w * lim.warp_size * MIN_ELEMS_PER_THREAD <= block
-        ] or [min(lim.num_warps)]
-        for w in warps:
-            for s in _splits(block, width, MAX_RECORD_SPLITS):
-                for c in cs:
-                    out.append(Config(block, w, 0, s, "allgather", c))
+    for block, w in points:
+        for s in _splits(block, bucket.width, MAX_RECORD_SPLITS):
+            for c in cs:
+                out.append(Config(block, w, 0, s, "allgather", c))
     return out
 
 
-def pruned_report(bucket: Bucket, arch: str) -> list[str]:
-    """Why blocks were pruned statically (for the log)."""
-    notes = []
-    sampled = bucket.op == "sampled"
-    for block in SAMPLED_BLOCKS if sampled else BLOCKS:
-        key = (
-            VariantKey("sampled_record", dtype=bucket.dtype, block=block)
-            if sampled
-            else VariantKey("shard_keys", dtype=bucket.dtype, align=bucket.align, block=block)
-        )
-        name = key.name
-        ok, why = _variant_ok(name, arch)
-        if not ok:
-            notes.append(f"{name}: {why}")
-    if sampled and len(notes) == len(SAMPLED_BLOCKS):
-        return [f"every sampled_record_{bucket.dtype} tile spills on {arch}: all kept"]
-    return notes
+def pruned_report(
+    bucket: Bucket, arch: str, *, quick: bool = False, compile_check: bool = False
+) -> list[str]:
+    """Why ``(block, warps)`` points were pruned statically (for the log)."""
+    return local_points(bucket, arch, quick=quick, compile_check=compile_check)[1]
 
 
 def default_config(bucket: Bucket) -> Config:

@@ -62,6 +62,36 @@ this many logits rows without an active top-k runs the split pipeline, a larger 
 monolithic kernel. The nucleus guard models the one vLLM would run."""
 
 
+RECORD_ELEMS_PER_THREAD = 16
+"""Most elements of a record / draw tile per thread in the built-in warps: each element carries
+a hash, two logs and the online ``(max, sum exp)`` state, and on sm90 the one-pass record kernel
+at 32 elements per thread (block 4096, 4 warps) spills 2.6-2.8 KB per thread (AOT report)."""
+
+
+def default_num_warps(family: str, block: int) -> int:
+    """Warps of a local-stage variant where nothing names them -- the built-in launch rule
+    (:func:`builtin_launch`, :func:`shardmax.ops.sampled.draw_launch`) -- and the warps the AOT
+    report (``generated/<arch>/resources.json``) compiles it at: ``shard_keys`` 4 below block
+    4096, 8 from 4096 on; ``sampled_record`` 4 up to block 2048, then ``block / (32 *``
+    :data:`RECORD_ELEMS_PER_THREAD` ``)`` (8 at 4096); ``sampled_draw`` :data:`DRAW_WARPS`. A
+    table row names its own warps (the tuner keeps only points that do not spill, per warps).
+
+    Raises:
+        ValueError: another family, or a block that is not a positive power of two.
+    """
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block: expected a positive power of two, got {block}")
+    if family == "shard_keys":
+        return 8 if block >= 4096 else 4
+    if family == "sampled_record":
+        return max(4, block // (32 * RECORD_ELEMS_PER_THREAD))
+    if family == "sampled_draw":
+        return DRAW_WARPS
+    raise ValueError(
+        f"family: {family!r} has no built-in warps rule (shard_keys, sampled_record, sampled_draw)"
+    )
+
+
 def default_record_splits(
     rows: int,
     width: int,
@@ -100,7 +130,7 @@ def builtin_launch(
         axes = {"family": "sampled_record", "dtype": dtype, "block": DEFAULT_RECORD_BLOCK}
         launch = {
             "splits": splits,
-            "num_warps": 4,
+            "num_warps": default_num_warps("sampled_record", DEFAULT_RECORD_BLOCK),
             "candidates": TOPK_CANDIDATES,
             "transport": "allgather",
             "phases": BUILTIN_PHASES,
@@ -115,7 +145,7 @@ def builtin_launch(
     axes = {"family": "shard_keys", "dtype": dtype, "align": align, "block": block}
     launch = {
         "splits": splits,
-        "num_warps": 8 if block >= 4096 else 4,
+        "num_warps": default_num_warps("shard_keys", block),
         "num_stages": 2,
         "transport": "allgather",
     }
