@@ -678,6 +678,15 @@ RS)
   echo "  rc=$?"; grep -E "^\| |Error" "$OUT/resolution_RS.log" | head -40
   tar -czf "$OUT/RS.tar.gz" -C "$OUT" resolution 2>/dev/null
   rm -rf "$OUT/resolution"
+  stamp "the tuner's per-warps spill check with this image's Triton (compiles 2 launches)"
+  timeout "$(left 60)" python3 - <<'PY' 2>&1 | grep -v -i fusion | tail -4
+from shardmax.generator.aot import launch_resources
+from shardmax.generator.render import generated_dir
+for w in (4, 8):
+    r = launch_resources(str(generated_dir()), "sm90", "sampled_record_bf16_b4096", w)
+    print(f"  sampled_record_bf16_b4096 at {w} warps: {r['registers']} registers, "
+          f"{r['spill_bytes']} B spilled")
+PY
   ;;
 T2)
   # two H200s (kind nvidia-h200-x2): the 2-GPU tests over NCCL (greedy parity eager and
