@@ -5,7 +5,8 @@
 #    few rows and a top-p step over them at V=200064, TP4, ids checked against torch.argmax / the references, bytes on the
 #    wire).
 #  - a GPU: the tuner's quick sweep for this GPU's arch (writes generated/<arch>/*.json + .png;
-#    with 2+ GPUs also the transport/plain sweep over NCCL), then the quick benchmark.
+#    with 2+ GPUs also the transport/plain sweep over NCCL), the AOT report again (its launches
+#    follow the new tables), then the quick benchmark.
 #  - no GPU: the tuner's CPU mode (Triton interpreter: a tiny sweep end to end; timings are
 #    meaningless and no table is written).
 # Long steps show progress: a bar on a terminal, a line with an ETA every few items in a log.
@@ -28,6 +29,8 @@ if [ "$NGPU" -ge 1 ]; then
     echo "== tuner: transport and plain path over NCCL at TP=$NGPU"
     torchrun --nproc-per-node "$NGPU" -m tuner --distributed --quick
   fi
+  echo "== generator: the AOT report's launches follow the new tables (spill check per warps)"
+  python -m generator --arch all
   echo "== benchmark (quick)"
   python -m benchmarks --quick
 else

@@ -153,6 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _report_lags(out_dir: Path, arch: str) -> None:
+    """After writing tables next to an AOT report (``<out_dir>/<arch>/resources.json``): the
+    report's ``launches`` -- every launch the tables select at other warps, compiled -- follow
+    the tables only once the generator has run again (``generator --check`` says so until
+    then)."""
+    if (out_dir / arch / "resources.json").exists():
+        print(
+            f"note: {out_dir / arch / 'resources.json'} lists the launches the old tables "
+            f"selected: run `python -m shardmax.generator --arch all --out {out_dir}` to compile "
+            "the new ones (generator --check fails until then)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.budget_s is not None and not args.budget_s > 0:
@@ -191,10 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         from .phases import write_phases
 
         print(f"wrote {write_phases(args.phases_from, out_dir, arch, args.exchange_from)}")
+        _report_lags(out_dir, arch)
         return 0
     if args.init_defaults:
         for op in ops:
             print(f"wrote {export.write_portable(out_dir, arch, op)}")
+        _report_lags(out_dir, arch)
         return 0
     if detected is not None and args.arch and args.arch != detected:
         print(f"error: --arch {args.arch} but this GPU is {detected}", file=sys.stderr)
@@ -392,6 +407,8 @@ def _sweep(
         elif root and not write:
             print(f"[{arch} {op}] {len(new_rows)} rows NOT written (pass --write-table)")
     bucket_bar.close()
+    if root and write:
+        _report_lags(out_dir, arch)
     if root and skipped:
         print(f"budget spent: {len(skipped)} buckets not tuned: {' '.join(skipped)}")
     if dist_ctx is not None:
