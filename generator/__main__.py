@@ -28,7 +28,7 @@ from .aot import compile_all, launch_resources
 from .console import prog_name, progress
 from .render import generated_dir, render_all, stale_files, write_all
 from .space import ARCHES
-from .spills import extra_launches, launch_name, spill_report
+from .spills import extra_launches, launch_name, launches_lag, spill_report
 
 
 def stale_resources(out: Path, variants: list[str]) -> list[str]:
@@ -38,19 +38,14 @@ def stale_resources(out: Path, variants: list[str]) -> list[str]:
     problems = []
     for arch in ARCHES:
         path = out / arch / "resources.json"
-        report = json.loads(path.read_text()) if path.exists() else {}
-        have = set(report.get("variants", {}))
+        have = set(json.loads(path.read_text()).get("variants", {})) if path.exists() else set()
         missing, extra = set(variants) - have, have - set(variants)
         if missing or extra:
             problems.append(f"{arch}: {len(missing)} missing, {len(extra)} extra")
             continue
-        per = report["variants"]
-        want = {
-            launch_name(x, int(per[x.variant]["num_warps"])) for x in extra_launches(out, arch, per)
-        }
-        got = set(report.get("launches", {}))
-        if want != got:
-            problems.append(f"{arch} launches: {len(want - got)} missing, {len(got - want)} extra")
+        lag, stray = launches_lag(out, arch)
+        if lag or stray:
+            problems.append(f"{arch} launches: {len(lag)} missing, {len(stray)} extra")
     return problems
 
 

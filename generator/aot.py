@@ -134,13 +134,20 @@ LOCAL_FAMILIES = ("shard_keys", "sampled_record", "sampled_draw")
 
 def nominal_warps(name: str, mod: ModuleType | None = None) -> int:
     """The warps a variant's report entry is compiled at: the module's ``NUM_WARPS`` (a kernel
-    always launched with them); a local-stage variant's built-in warps
+    always launched with them; ``mod``, else the packaged ``shardmax.generated.<name>``); a local-stage variant's built-in warps
     (:func:`shardmax.runtime.defaults.default_num_warps`: what the runtime launches where no
     table row names warps); 4 otherwise. The warps a table row names may differ: those launches
     are compiled apart (:func:`compile_launch`, ``resources.json``'s ``launches``)."""
+    import importlib
+
     from shardmax.runtime.defaults import default_num_warps
     from shardmax.runtime.variants import parse_name
 
+    if mod is None:  # the packaged module (its NUM_WARPS)
+        try:
+            mod = importlib.import_module(f"shardmax.generated.{name}")
+        except ModuleNotFoundError:
+            mod = None
     if mod is not None and hasattr(mod, "NUM_WARPS"):
         return int(mod.NUM_WARPS)
     key = parse_name(name)

@@ -13,7 +13,8 @@ both alignments) as the dispatcher adapts it; the record kernel's phase-1 conste
 block and warps of every ``sampled`` row's ``launch["phase1"]``; the built-in rule's launches
 (:func:`shardmax.runtime.defaults.builtin_launch`, the two-phase draw kernel); and every finish /
 merge / strict kernel at its own warps (the runtime picks those by TP and mode, never by
-table). ``generator --check --arch ...`` fails on a spill in that set that :data:`KNOWN_SPILLS`
+table) -- each of them with its default constexprs and with every constexpr set of its
+module's ``CONFIGS``. ``generator --check --arch ...`` fails on a spill in that set that :data:`KNOWN_SPILLS`
 does not list -- a new one -- and says which known ones went away.
 """
 
@@ -78,10 +79,16 @@ def _adapted(key: VariantKey) -> list[str]:
 
 def selected_launches(out: Path, arch: str, variants: dict[str, dict[str, Any]]) -> set[Launch]:
     """The launches (of the report's ``variants``: ``{name: record}``) the runtime can make on
-    ``arch`` given the tables in ``out/<arch>/`` (see the module docstring)."""
+    ``arch`` given the tables in ``out/<arch>/`` (see the module docstring): every (variant,
+    warps) below with its default constexprs and with every constexpr set of its module's
+    ``CONFIGS`` (the report's ``configs``) -- a ``sampled`` row's own record launch also runs
+    phase 1 of every two-phase step without a ``phase1`` entry and of every top-p step
+    (``[phase1]``, ``[phase1_topp]``); the draw kernel and the finishes have top-p and two-phase
+    sets -- except a row's ``phase1`` launch, which runs only the phase-1 sets."""
     from shardmax.runtime.defaults import default_num_warps
 
-    chosen: set[Launch] = set()
+    base: set[tuple[str, int]] = set()  # every constexpr set
+    phase1: set[tuple[str, int]] = set()  # the phase-1 sets only
     for op in TABLE_OPS:
         for row in _rows(out, arch, op):
             name = row.get("variant")
@@ -90,27 +97,51 @@ def selected_launches(out: Path, arch: str, variants: dict[str, dict[str, Any]])
             key = parse_name(name)
             launch = row.get("launch", {})
             for n in _adapted(key):  # the dispatcher's default warps: 4
-                chosen.add(Launch(n, int(launch.get("num_warps", 4))))
+                base.add((n, int(launch.get("num_warps", 4))))
             p1 = launch.get(PHASE1)
             if op == "sampled" and isinstance(p1, dict) and isinstance(p1.get("block"), int):
                 for d in DTYPES:
                     n = VariantKey("sampled_record", dtype=d, block=p1["block"]).name
-                    for cname in variants.get(n, {}).get("configs", {}):
-                        if cname.startswith(PHASE1):
-                            chosen.add(Launch(n, int(p1["num_warps"]), cname))
+                    phase1.add((n, int(p1["num_warps"])))
     # the built-in rule (no table row, a CPU, an arch without tables)
     for block in (1024, 4096):
         for n in _adapted(VariantKey("shard_keys", dtype="bf16", align=16, block=block)):
-            chosen.add(Launch(n, default_num_warps("shard_keys", block)))
+            base.add((n, default_num_warps("shard_keys", block)))
     for d in DTYPES:
         record = VariantKey("sampled_record", dtype=d, block=DEFAULT_RECORD_BLOCK).name
-        chosen.add(Launch(record, default_num_warps("sampled_record", DEFAULT_RECORD_BLOCK)))
+        base.add((record, default_num_warps("sampled_record", DEFAULT_RECORD_BLOCK)))
         draw = VariantKey("sampled_draw", dtype=d, block=DEFAULT_RECORD_BLOCK).name
-        chosen.add(Launch(draw, DRAW_WARPS))
+        base.add((draw, DRAW_WARPS))
     for name, entry in variants.items():
         if parse_name(name).family not in LOCAL_FAMILIES:
-            chosen.add(Launch(name, int(entry.get("num_warps", 4))))
-    return {c for c in chosen if c.variant in variants}
+            base.add((name, int(entry.get("num_warps", 4))))
+    chosen: set[Launch] = set()
+    for name, warps in base | phase1:
+        if name not in variants:
+            continue
+        whole = (name, warps) in base
+        if whole:
+            chosen.add(Launch(name, warps))
+        for c in variants[name].get("configs", {}):
+            if whole or c.startswith(PHASE1):
+                chosen.add(Launch(name, warps, c))
+    return chosen
+
+
+def launches_lag(out: Path, arch: str) -> tuple[list[str], list[str]]:
+    """``(missing, extra)``: the launches the tables in ``out/<arch>/`` select at other warps
+    that the AOT report there does not hold, and those it holds that no table selects (both
+    empty without a report)."""
+    path = out / arch / "resources.json"
+    if not path.exists():
+        return [], []
+    report = json.loads(path.read_text())
+    per = report.get("variants", {})
+    want = {
+        launch_name(x, int(per[x.variant]["num_warps"])) for x in extra_launches(out, arch, per)
+    }
+    got = set(report.get("launches", {}))
+    return sorted(want - got), sorted(got - want)
 
 
 def extra_launches(out: Path, arch: str, variants: dict[str, dict[str, Any]]) -> list[Launch]:

@@ -129,6 +129,37 @@ def test_spill_report_names_new_spills_of_selectable_variants(tmp_path) -> None:
     assert new == [] and gone == [known]
 
 
+def test_selected_launches_cover_every_constexpr_set_a_launch_runs(tmp_path) -> None:
+    """A ``sampled`` row's record launch also runs phase 1 of the two-phase and top-p steps
+    (its ``[phase1]`` / ``[phase1_topp]`` sets at the row's block and warps); a row's ``phase1``
+    entry runs only the phase-1 sets; the draw kernel, finishes and picks every set they have."""
+    import json
+
+    from generator.spills import Launch, selected_launches
+
+    cfg = {"phase1": {"spill_bytes": 0}, "phase1_topp": {"spill_bytes": 0}}
+    variants = {
+        f"sampled_record_{d}_b{b}": {"spill_bytes": 0, "num_warps": 4, "configs": cfg}
+        for d in ("bf16", "fp16", "fp32") for b in (1024, 2048, 4096)
+    }  # fmt: skip
+    variants["sampled_draw_bf16_b2048"] = {"num_warps": 8, "configs": {"topp": {}}}
+    variants["sampled_finish_tp2_allgather"] = {"num_warps": 2, "configs": {"topp": {}}}
+    (tmp_path / "sm90").mkdir()
+    row = {"match": {}, "variant": "sampled_record_bf16_b1024",
+           "launch": {"num_warps": 8, "phase1": {"block": 4096, "splits": 4, "num_warps": 4}}}  # fmt: skip
+    (tmp_path / "sm90" / "sampled.json").write_text(json.dumps({"rows": [row]}))
+    got = selected_launches(tmp_path, "sm90", variants)
+    for d in ("bf16", "fp16", "fp32"):
+        for c in (None, "phase1", "phase1_topp"):
+            assert Launch(f"sampled_record_{d}_b1024", 8, c) in got
+        assert Launch(f"sampled_record_{d}_b4096", 4, "phase1") in got
+        assert Launch(f"sampled_record_{d}_b4096", 4, "phase1_topp") in got
+        assert Launch(f"sampled_record_{d}_b4096", 4) not in got  # phase 1 only there
+        assert Launch(f"sampled_record_{d}_b2048", 4, "phase1_topp") in got  # the built-in rule
+    assert Launch("sampled_draw_bf16_b2048", 8, "topp") in got
+    assert Launch("sampled_finish_tp2_allgather", 2, "topp") in got
+
+
 def test_no_launch_a_table_can_select_spills_on_either_arch() -> None:
     """Issue 22's AMD readiness, on the committed AOT reports: every launch the sm90 and
     gfx950 tables (and the built-in rule) can select -- the variant at the warps named, every
@@ -151,15 +182,27 @@ def test_nominal_warps_follow_the_builtin_rule() -> None:
     """A local-stage variant's report entry is compiled at the warps the runtime launches it
     with where no table names any (``default_num_warps``); a kernel that declares
     ``NUM_WARPS`` at those; everything else at 4."""
-    from generator.aot import nominal_warps
+    from generator.aot import LOCAL_FAMILIES, nominal_warps
     from shardmax.runtime.defaults import builtin_launch, default_num_warps
+    from shardmax.runtime.variants import parse_name
 
     assert nominal_warps("shard_keys_bf16_va16_b4096") == 8
     assert nominal_warps("shard_keys_bf16_va1_b1024") == 4
     assert nominal_warps("sampled_record_bf16_b2048") == 4
     assert nominal_warps("sampled_record_fp32_b4096") == 8  # 16 elements per thread, no spill
     assert nominal_warps("sampled_draw_fp16_b2048") == 8
-    assert nominal_warps("sampled_pick") == 4
+    pick = importlib.import_module("shardmax.generated.sampled_pick")
+    assert nominal_warps("sampled_pick") == pick.NUM_WARPS == 1  # the packaged module's
+    manifest = json.loads((generated_dir() / "MANIFEST.json").read_text())
+    for name in (v["name"] for v in manifest["variants"]):  # every other kernel fixes its warps
+        key = parse_name(name)
+        if key.family not in LOCAL_FAMILIES:
+            mod = importlib.import_module(f"shardmax.generated.{name}")
+            assert nominal_warps(name) == mod.NUM_WARPS, name
+        else:
+            assert nominal_warps(name) == default_num_warps(key.family, key.block), name
+    with pytest.raises(ValueError, match="variant name"):
+        nominal_warps("no_such_variant_b2048")
     fin = importlib.import_module("shardmax.generated.sampled_finish_tp2_allgather")
     assert nominal_warps("sampled_finish_tp2_allgather", fin) == fin.NUM_WARPS
     for op, block in (("argmax", 4096), ("verify", 1024), ("sampled", 2048)):

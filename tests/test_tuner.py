@@ -171,7 +171,11 @@ def test_space_prunes_spilling_points_per_warps(monkeypatch) -> None:
     assert not any(b == 8192 for b, _ in got)  # nominal spill, no compile: every warps pruned
     notes = space.pruned_report(wide, "sm90", quick=True)
     assert "shard_keys_bf16_va16_b4096 at 4 warps: spills 32 B at 4 warps" in notes
-    assert "shard_keys_bf16_va16_b8192 at 16 warps: spills 64 B" in notes
+    # judged by proxy: the nominal entry's verdict, named as such
+    assert (
+        "shard_keys_bf16_va16_b8192 at 16 warps: spills 64 B at its nominal 8 warps "
+        "(not compiled at 16)" in notes
+    )
     calls: list[tuple[str, int, str | None]] = []
 
     def compiled(gen_dir, arch, name, warps, config=None):

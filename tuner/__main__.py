@@ -156,13 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _report_lags(out_dir: Path, arch: str) -> None:
     """After writing tables next to an AOT report (``<out_dir>/<arch>/resources.json``): the
     report's ``launches`` -- every launch the tables select at other warps, compiled -- follow
-    the tables only once the generator has run again (``generator --check`` says so until
-    then)."""
-    if (out_dir / arch / "resources.json").exists():
+    the tables only once the generator has run again; says so where they differ
+    (``generator --check`` fails until then)."""
+    from shardmax.generator.spills import launches_lag
+
+    missing, extra = launches_lag(out_dir, arch)
+    if missing or extra:
         print(
-            f"note: {out_dir / arch / 'resources.json'} lists the launches the old tables "
-            f"selected: run `python -m shardmax.generator --arch all --out {out_dir}` to compile "
-            "the new ones (generator --check fails until then)"
+            f"note: {out_dir / arch / 'resources.json'} lacks {len(missing)} launches the new "
+            f"tables select at other warps (and holds {len(extra)} they no longer do): run "
+            f"`python -m shardmax.generator --arch all --out {out_dir}` (generator --check fails "
+            "until then)"
         )
 
 
@@ -174,12 +178,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     on_gpu = torch.cuda.is_available()
-    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        from shardmax.generator.console import rerun_with_interpreter
-
-        rc = rerun_with_interpreter(__package__ or "tuner", argv)
-        if rc is not None:
-            return rc
     from shardmax.runtime.dispatch import OPS, detect_arch
 
     from . import export
@@ -211,6 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {export.write_portable(out_dir, arch, op)}")
         _report_lags(out_dir, arch)
         return 0
+    # the sweep launches kernels: without a GPU in Triton's interpreter (the two table-only
+    # jobs above run without it, so --phases-from can compile its phase-1 launches for the arch)
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        from shardmax.generator.console import rerun_with_interpreter
+
+        rc = rerun_with_interpreter(__package__ or "tuner", argv)
+        if rc is not None:
+            return rc
     if detected is not None and args.arch and args.arch != detected:
         print(f"error: --arch {args.arch} but this GPU is {detected}", file=sys.stderr)
         return 2

@@ -188,7 +188,8 @@ def launch_ok(
     module's ``CONFIGS``; None: its defaults). A launch the report does not hold (other warps)
     is compiled with ``compile_check`` (:func:`generator.aot.launch_resources`, once per
     process; ``arch`` one of the generator's ``ARCHES``; not under the interpreter), else judged
-    by the variant's entry at its nominal warps."""
+    by the variant's entry at its nominal warps -- a proxy, good enough for a run that writes no
+    table (the tuner's CPU mode); ``generator --check`` compiles whatever a table selects."""
     res = arch_resources(arch)
     info = res.get(name)
     if res and info is None:
@@ -204,11 +205,11 @@ def launch_ok(
             rec = launch_resources(str(generated_dir()), arch, name, warps, config)
         except RuntimeError as e:  # cannot run here either
             return False, f"does not compile at {warps} warps: {str(e).splitlines()[0][:200]}"
-    nominal_rec = launches.get(launch_name(Launch(name, nominal, config), nominal), info)
-    if rec is None:
-        rec = nominal_rec
+    at = f" at {warps} warps"
+    if rec is None:  # judged by the nominal entry: a verdict for these warps only by proxy
+        rec = launches.get(launch_name(Launch(name, nominal, config), nominal), info)
+        at = f" at its nominal {nominal} warps (not compiled at {warps})"
     if int(rec.get("spill_bytes", 0)) > 0:
-        at = "" if rec is nominal_rec and warps != nominal else f" at {warps} warps"
         return False, f"spills {rec['spill_bytes']} B{at}"
     return True, ""
 
@@ -238,7 +239,8 @@ def local_points(
 ) -> tuple[list[tuple[int, int]], list[str]]:
     """``(points, notes)``: the ``(block, warps)`` pairs of the bucket's local-stage variant
     that fit the block (see the module docstring) and do not spill on ``arch``
-    (:func:`launch_ok`), in a fixed order, and why the others were pruned. Op ``sampled``: where
+    (:func:`launch_ok`) with any of its constexpr sets (the record kernel's phase-1 sets run at
+    the row's block and warps too), in a fixed order, and why the others were pruned. Op ``sampled``: where
     every pair spills (an arch whose report says so), all are kept -- a timing can still rank
     them -- and the note says so."""
     lim = limits_of(arch)
@@ -260,11 +262,16 @@ def local_points(
         fits.extend((block, w) for w in warps)
     points, notes = [], []
     for block, w in fits:
-        ok, why = launch_ok(_local_name(bucket, block), arch, w, compile_check=compile_check)
-        if ok:
-            points.append((block, w))
+        name = _local_name(bucket, block)
+        # a sampled row's record launch also runs phase 1 of its two-phase and top-p steps
+        configs = [None, *arch_resources(arch).get(name, {}).get("configs", {})]
+        for config in configs:
+            ok, why = launch_ok(name, arch, w, config, compile_check=compile_check)
+            if not ok:
+                notes.append(f"{name}{'' if config is None else f'[{config}]'} at {w} warps: {why}")
+                break
         else:
-            notes.append(f"{_local_name(bucket, block)} at {w} warps: {why}")
+            points.append((block, w))
     if sampled and not points:
         kept = [(b, w) for b, w in fits if _local_name(bucket, b) in arch_resources(arch)]
         return kept, [f"every sampled_record_{bucket.dtype} point spills on {arch}: all kept"]
