@@ -687,6 +687,38 @@ for w in (4, 8):
     print(f"  sampled_record_bf16_b4096 at {w} warps: {r['registers']} registers, "
           f"{r['spill_bytes']} B spilled")
 PY
+  stamp "CUDA-graph conditional nodes with this image's torch (a device-decided resolution?)"
+  timeout "$(left 60)" python3 - <<'PY' 2>&1 | grep -v -i fusion | tail -6
+import time
+import torch
+G = torch.cuda.CUDAGraph
+print("  begin_capture_to_if_node:", hasattr(G, "begin_capture_to_if_node"),
+      "get_currently_capturing_graph:", hasattr(G, "get_currently_capturing_graph"))
+pred = torch.zeros((), dtype=torch.bool, device="cuda")
+x = torch.zeros(1 << 20, device="cuda")
+g = torch.cuda.CUDAGraph()
+s = torch.cuda.Stream()
+with torch.cuda.stream(s):
+    x.add_(1)  # warm-up outside capture
+torch.cuda.synchronize()
+with torch.cuda.graph(g, stream=s):
+    x.add_(1)
+    cur = G.get_currently_capturing_graph()
+    cur.begin_capture_to_if_node(pred)
+    for _ in range(8):
+        x.mul_(2)
+    cur.end_capture_to_conditional_node()
+x.zero_(); pred.fill_(False); g.replay(); torch.cuda.synchronize(); off = x[0].item()
+x.zero_(); pred.fill_(True); g.replay(); torch.cuda.synchronize(); on = x[0].item()
+def timed(v):
+    pred.fill_(v); torch.cuda.synchronize(); e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+    e0.record()
+    for _ in range(200):
+        g.replay()
+    e1.record(); torch.cuda.synchronize(); return e0.elapsed_time(e1) * 1000 / 200
+print(f"  body skipped -> {off} (want 1.0), taken -> {on} (want 256.0); "
+      f"replay GPU us: skipped {timed(False):.1f}, taken {timed(True):.1f}")
+PY
   ;;
 T2)
   # two H200s (kind nvidia-h200-x2): the 2-GPU tests over NCCL (greedy parity eager and
