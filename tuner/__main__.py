@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="small subset: V in {200064, 151936}, TP 1/4/8, rows 1/32/96/512, "
-        "warps 4/8/16, stages 2",
+        help="small subset: V in {200064, 151936} (op sampled: 151936), TP 1/4/8, rows "
+        "1/32/96/512, warps 4/8/16 (op sampled: 4/8), stages 2",
     )
     p.add_argument(
         "--distributed",
