@@ -468,3 +468,36 @@ def test_console_units_progress_lines_and_prog_name(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/repo/tuner/__main__.py", "--help"])
     assert prog_name("tuner", "shardmax-tune") == "python -m tuner"
     assert prog_name("shardmax.tuner", "shardmax-tune") == "python -m shardmax.tuner"
+
+
+def test_table_only_jobs_run_without_the_interpreter_and_say_when_the_report_lags(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """``--init-defaults`` (and ``--phases-from``) launch no kernel: without a GPU they run
+    before the tuner re-executes itself under Triton's interpreter, so ``--phases-from`` can
+    compile its phase-1 launches for the arch. After writing tables next to an AOT report the
+    tuner says so only where the report's ``launches`` lag the tables."""
+    import shutil
+
+    import shardmax.generator.console as console
+
+    from generator.render import generated_dir
+
+    def no_rerun(*a, **k):
+        raise AssertionError("a table-only job re-ran itself under the interpreter")
+
+    monkeypatch.setattr(console, "rerun_with_interpreter", no_rerun)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "gen"
+    (out / "sm90").mkdir(parents=True)
+    shutil.copy(generated_dir() / "sm90" / "resources.json", out / "sm90" / "resources.json")
+    assert tuner_main(["--init-defaults", "--arch", "sm90", "--out", str(out)]) == 0
+    # portable rows: every launch at nominal warps, the report's 45 sm90 launches now extra
+    said = capsys.readouterr().out
+    assert "lacks 0 launches" in said and "generator --arch all" in said
+    report = json.loads((out / "sm90" / "resources.json").read_text())
+    report["launches"] = {}  # what the portable tables select: nothing at other warps
+    (out / "sm90" / "resources.json").write_text(json.dumps(report))
+    assert tuner_main(["--init-defaults", "--arch", "sm90", "--out", str(out)]) == 0
+    assert "note:" not in capsys.readouterr().out  # a report that follows the tables: silent
