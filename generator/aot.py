@@ -138,8 +138,6 @@ def nominal_warps(name: str, mod: ModuleType | None = None) -> int:
     (:func:`shardmax.runtime.defaults.default_num_warps`: what the runtime launches where no
     table row names warps); 4 otherwise. The warps a table row names may differ: those launches
     are compiled apart (:func:`compile_launch`, ``resources.json``'s ``launches``)."""
-    import importlib
-
     from shardmax.runtime.defaults import default_num_warps
     from shardmax.runtime.variants import parse_name
 
