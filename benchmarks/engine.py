@@ -32,6 +32,11 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
      whole step's decisions, at a fixed capacity replayed from CUDA graphs:
      :class:`~shardmax.integrations.vllm.resolution.CapturedResolution`); every request of it is
      cross-checked against ``vllm``;
+   * ``shardmax+device`` (TP 1): the replayed run, then
+     :class:`~shardmax.integrations.vllm.fallback.DeviceFallback` -- the device decides whether
+     a request was flagged and, only then, runs vLLM's chain on the whole step inside a
+     conditional CUDA graph (no host read); every request of it is cross-checked against
+     ``vllm``;
    * ``shardmax-hist+resolve`` (top-p traffic): the same with the top-p rows verified from level
      histograms (``VocabShard.verify(rows, topp=pipeline_for(rows, "cuda", version))``, replayed
      from its CUDA graphs on a static copy of the logits: the plug-in's top-p call) instead of
@@ -153,13 +158,16 @@ def _shardmax_step(
     graphed: bool = True,
     topp: Any = None,
     rank: RankShard | None = None,
+    device: Any = None,
 ) -> Callable[[], Any]:
     """The plug-in's verification call on one rank (TP 1: the shard is the whole vocabulary;
     ``rank``: this rank's shard of ``traffic.logits`` and its group): the step's host checks,
     the shard's cached plan, its run (from the plan's CUDA graphs when ``graphed``, split at the
     collectives at TP > 1, else ``plan.run``); with ``resolve = (chain, verify_inputs)`` also
     the flagged requests resolved per request (their rows all-gathered at TP > 1); ``topp``: a
-    top-p pipeline (level histograms). Returns the result."""
+    top-p pipeline (level histograms); ``device``: a
+    :class:`~shardmax.integrations.vllm.fallback.DeviceFallback` queued after the run (TP 1),
+    the host read and ``resolve`` only on the steps it returns False for. Returns the result."""
     from shardmax.ops.resolve import flagged_requests, gather_rows, resolve_requests
     from shardmax.plan import VocabShard
     from shardmax.runtime.validation import check_step_batch
@@ -194,6 +202,12 @@ def _shardmax_step(
         res = shard.graphed(plan).run(logits, batch) if graphed else plan.run(logits, batch)
         if not sampled:
             return res
+        if (
+            device is not None
+            and resolve is not None
+            and device.run(res, logits, **resolve[1], checks=False)
+        ):
+            return res  # the device decides; no host read
         if resolve is not None:
             chain, kw = resolve
             req, _ = flagged_requests(res)  # the plug-in's one host read
@@ -502,11 +516,20 @@ def _run(
     except Exception as e:  # no extracted vLLM tree: the vllm path is not measured
         note = f"vllm chain unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
         say(note, file=sys.stderr)
-    resolver = None
+    resolver = fallback = None
     if chain is not None:
         from shardmax.integrations.vllm.resolution import CapturedResolution
 
         resolver = CapturedResolution(chain)  # the plug-in's resolver
+        fallback = None
+        if world == 1:
+            from shardmax.integrations.vllm.fallback import DeviceFallback
+
+            fallback = DeviceFallback(chain)
+            why = fallback.unavailable(torch.device("cuda", torch.cuda.current_device()))
+            if why is not None:
+                say(f"shardmax+device not measured: {why}", file=sys.stderr)
+                fallback = None
     out_dir = args.out or Path("benchmarks/results") / (detect_arch() or "unknown")
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -534,6 +557,10 @@ def _run(
                     paths["shardmax+resolve"] = _shardmax_step(
                         traffic, mix, prefill, (resolver, kw), rank=me
                     )
+                    if fallback is not None and me is None:
+                        paths["shardmax+device"] = _shardmax_step(
+                            traffic, mix, prefill, (resolver, kw), device=fallback
+                        )
                 if mix == "top_p":
                     from shardmax.reference.nucleus_replay import pipeline_for
                     from shardmax.runtime.topp_tables import set_sigma_table
@@ -544,7 +571,7 @@ def _run(
                         traffic, mix, prefill, (resolver, kw), topp=config, rank=me
                     )
                 paths["vllm"] = _vllm_step(traffic, chain, kw, rank=me)
-            same = resolved_note = ""
+            same = resolved_note = device_note = ""
             if "vllm" in paths:
                 theirs = paths["vllm"]()
                 bad, flagged = _mismatches(paths["shardmax"](), theirs)
@@ -554,6 +581,19 @@ def _run(
                     resolved_note = (
                         f"{bad_r} of {reqs} requests differ from vLLM after resolving "
                         f"{flagged} ({left} left flagged)"
+                    )
+                if "shardmax+device" in paths:
+                    dev_step = paths["shardmax+device"]
+                    for _ in range(fallback.capture_after if fallback is not None else 1):
+                        dev_step()  # the signature's host-read steps, then its capture
+                    got = dev_step()
+                    torch.cuda.synchronize()
+                    bad_d, left_d = _mismatches(got, theirs)
+                    device_note = (
+                        f"{bad_d} of {reqs} requests differ from vLLM ({left_d} left flagged; "
+                        f"{flagged} flagged before the device fallback); fallback {fallback.stats}"
+                        if fallback is not None
+                        else ""
                     )
                 hist_note = ""
                 if "shardmax-hist+resolve" in paths:
@@ -568,7 +608,12 @@ def _run(
                         f"{reqs}; {bad_hr} differ after resolving ({left_h} left flagged)"
                     )
             if args.profile:
-                for name in ("shardmax", "shardmax+resolve", "shardmax-hist+resolve"):
+                for name in (
+                    "shardmax",
+                    "shardmax+resolve",
+                    "shardmax+device",
+                    "shardmax-hist+resolve",
+                ):
                     if name in paths:
                         _profile(paths[name], f"{name} {mix} rows={reqs * (args.k + 1)}",
                                  show=rank == 0)  # fmt: skip
@@ -592,6 +637,8 @@ def _run(
                 row["fallback_rate"] = ""
                 if path == "shardmax+resolve":
                     row["note"] = resolved_note
+                if path == "shardmax+device":
+                    row["note"] = device_note
                 if path == "shardmax-hist+resolve":
                     row["note"] = hist_note
                 if path == "shardmax" and same:

@@ -41,6 +41,7 @@ __all__ = [
     "SampledResult",
     "apply_head",
     "chain_inputs",
+    "device_fallback",
     "find_lm_head",
     "graph_replay",
     "has_nucleus",
@@ -547,6 +548,32 @@ def resolver() -> Any:
     return _RESOLVER[0]
 
 
+def device_fallback(device: torch.device) -> Any:
+    """The device-decided fallback of TP-1 temperature steps
+    (:class:`shardmax.integrations.vllm.fallback.DeviceFallback`: vLLM's chain on the whole step
+    inside a conditional CUDA graph, run only when the step flagged a request; no host read of
+    the flags), or None: no resolver (:func:`resolver`), not a CUDA device,
+    ``$SHARDMAX_VLLM_GRAPHS=0``, or conditional graphs unavailable here (the reason logged once).
+    Made once per process; only TP 1 calls it (the chain needs the full logits)."""
+    chain = resolver()
+    if chain is None or device.type != "cuda":
+        return None
+    if os.environ.get(ENV_GRAPHS, "auto").strip().lower() in _OFF:
+        return None
+    if not _FALLBACK:
+        from shardmax.integrations.vllm.fallback import DeviceFallback
+
+        fb = DeviceFallback(getattr(chain, "chain", chain))  # a CapturedResolution's chain
+        why = fb.unavailable(device)
+        if why is not None:
+            counters.warn_once("device_fallback", "shardmax: flags read on the host (%s)", why)
+        _FALLBACK.append(fb if why is None else None)
+    return _FALLBACK[0]
+
+
+_FALLBACK: list[Any] = []
+
+
 def _every_rank(ok: bool) -> bool:
     """``ok`` on every rank of vLLM's TP group (MIN all-reduce over its CPU group); ``ok`` itself
     without a group (TP 1, or vLLM's groups not initialised)."""
@@ -663,6 +690,14 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     if nucleus:
         counters.bump("topp_histogram_steps" if topp is not None else "nucleus_candidate_steps")
     res = _run(shard, plan, local_logits, batch)
+    fallback = device_fallback(local_logits.device) if shard.geometry.tp == 1 else None
+    if fallback is not None and topp is None and not nucleus:
+        vocab = int(st.vocab_size)
+        inputs = chain_inputs(runner, input_batch, draft_sampled, pos, prefill_len)
+        if fallback.run(res, local_logits[:, :vocab], **inputs):  # decided on the device
+            counters.bump("device_fallback_steps")
+            out = sampler_output(res.sampled, res.num_sampled, res.num_rejected)
+            return SampledResult(mode, (out, res.num_sampled, res.num_rejected), None, 0)
     req, codes = flagged_requests(res)
     resolved = 0
     if req.size:

@@ -1,0 +1,334 @@
+"""A body of GPU work the device decides to run: a CUDA graph with a conditional IF node.
+
+A sampled step sometimes needs more work after its kernels -- a request it could not certify
+must be verified the native way -- and only the device knows whether it does. Reading that on
+the host costs a sync per step, which stalls an engine that prepares the next step while the
+GPU runs this one. CUDA 12.4's *conditional nodes* move the decision to the device: a graph
+whose IF node runs its body only when a kernel before it set the node's condition.
+
+:class:`IfGraph` builds such a graph from two pieces captured with PyTorch (so their kernels,
+torch ops and allocations are what an ordinary ``torch.cuda.graph`` capture records):
+
+* the **prologue**: whatever computes the predicate, ending with one launch of
+  ``shardmax_set_conditional`` that reads the predicate (one byte, nonzero = run) and sets the
+  IF node's condition (``cudaGraphSetConditional``);
+* the **body**: the work to run when the predicate is set;
+
+then puts them together with the CUDA driver API (ctypes; PyTorch 2.11, the H200 image's, has
+no conditional-node API of its own)::
+
+    child graph (prologue) -> IF node { child graph (body) }
+
+and instantiates it. :meth:`IfGraph.launch` is one ``cuGraphLaunch`` on the current stream: no
+host sync, whatever the predicate. ``shardmax_set_conditional`` is a four-instruction kernel
+written in PTX (:data:`SET_CONDITIONAL_PTX`; Triton cannot call the device runtime), JIT-compiled
+by the driver once per process and device.
+
+Requirements (:func:`unavailable` says which one is missing): a CUDA device, a driver with
+conditional nodes (CUDA 12.4+), and a PyTorch whose ``CUDAGraph`` keeps its captured graph
+(``keep_graph=True``, ``raw_cuda_graph()``). A conditional body may only hold kernels, memsets,
+memcopies, child graphs and conditionals (no event or host nodes, no NCCL): the bodies here are
+captured without programmatic dependent launch (:func:`shardmax.runtime.kernels.set_pdl`), whose
+edges the driver does not document for conditional bodies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["SET_CONDITIONAL_PTX", "IfGraph", "unavailable"]
+
+SET_CONDITIONAL_PTX = b"""
+.version 8.3
+.target sm_80
+.address_size 64
+
+.extern .func cudaGraphSetConditional
+(
+    .param .b64 handle,
+    .param .b32 value
+)
+;
+
+.visible .entry shardmax_set_conditional(
+    .param .u64 handle_param,
+    .param .u64 predicate_param
+)
+{
+    .reg .pred %p<2>;
+    .reg .b16 %h<2>;
+    .reg .b32 %r<2>;
+    .reg .b64 %rd<4>;
+
+    ld.param.u64 %rd1, [handle_param];
+    ld.param.u64 %rd2, [predicate_param];
+    cvta.to.global.u64 %rd3, %rd2;
+    ld.global.u8 %h1, [%rd3];
+    setp.ne.u16 %p1, %h1, 0;
+    selp.u32 %r1, 1, 0, %p1;
+    {
+    .param .b64 param0;
+    st.param.b64 [param0+0], %rd1;
+    .param .b32 param1;
+    st.param.b32 [param1+0], %r1;
+    call.uni cudaGraphSetConditional, (param0, param1);
+    }
+    ret;
+}
+"""
+"""``shardmax_set_conditional(handle, predicate)``: one thread reads the byte at ``predicate``
+and sets the conditional ``handle`` to 1 when it is nonzero, else 0 (PTX ISA 8.3, CUDA 12.3's,
+the first with ``cudaGraphSetConditional``; JIT-compiled for the device by the driver)."""
+
+# cuda.h (CUDA 12.4+): CU_GRAPH_NODE_TYPE_CONDITIONAL, CU_GRAPH_COND_TYPE_IF,
+# CU_GRAPH_COND_ASSIGN_DEFAULT; CUgraphNodeParams is 256 bytes, its union at byte 16;
+# CUDA_CONDITIONAL_NODE_PARAMS: handle u64 @0, type i32 @8, size u32 @12, phGraph_out @16, ctx @24
+_NODE_CONDITIONAL = 13
+_COND_IF = 0
+_ASSIGN_DEFAULT = 1
+
+
+class _ConditionalParams(ctypes.Structure):
+    _fields_ = [
+        ("handle", ctypes.c_uint64),
+        ("type", ctypes.c_int),
+        ("size", ctypes.c_uint),
+        ("phGraph_out", ctypes.POINTER(ctypes.c_void_p)),
+        ("ctx", ctypes.c_void_p),
+    ]
+
+
+class _NodeParams(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("reserved0", ctypes.c_int * 3),
+        ("conditional", _ConditionalParams),
+        ("pad", ctypes.c_byte * (232 - ctypes.sizeof(_ConditionalParams))),
+        ("reserved2", ctypes.c_int64),
+    ]
+
+
+class _Driver:
+    """The few CUDA driver entry points used here (``libcuda``), each checked."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.modules: dict[int, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, name: str, *args: Any) -> None:
+        rc = getattr(self.lib, name)(*args)
+        if rc != 0:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(rc, ctypes.byref(msg))
+            text = msg.value.decode() if msg.value else "unknown error"
+            raise RuntimeError(f"{name} failed: CUDA driver error {rc} ({text})")
+
+    def context(self) -> ctypes.c_void_p:
+        ctx = ctypes.c_void_p()
+        self("cuCtxGetCurrent", ctypes.byref(ctx))
+        if not ctx.value:
+            raise RuntimeError("no current CUDA context (initialise CUDA on the device first)")
+        return ctx
+
+    def set_conditional_kernel(self, device: int) -> ctypes.c_void_p:
+        """``shardmax_set_conditional`` loaded into the current context (once per device)."""
+        with self.lock:
+            got = self.modules.get(device)
+            if got is None:
+                mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+                self("cuModuleLoadData", ctypes.byref(mod), ctypes.c_char_p(SET_CONDITIONAL_PTX))
+                self("cuModuleGetFunction", ctypes.byref(fn), mod, b"shardmax_set_conditional")
+                got = self.modules[device] = (mod, fn)
+            return got[1]
+
+
+@functools.cache
+def _driver() -> _Driver:
+    return _Driver()
+
+
+def _keeps_graph() -> bool:
+    try:
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:
+        return False
+    return hasattr(g, "raw_cuda_graph")
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why :class:`IfGraph` cannot run on ``device``, or None when it can: not a CUDA device,
+    a PyTorch whose ``CUDAGraph`` cannot keep its graph, a driver older than CUDA 12.4 (no
+    conditional nodes), or the set-conditional kernel failing to load (the driver's error)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"conditional CUDA graphs need a CUDA device, got {device}"
+    if torch.version.hip is not None:
+        return "conditional graph nodes are a CUDA driver feature (not HIP)"
+    if not _keeps_graph():
+        return "this PyTorch's CUDAGraph cannot keep its captured graph (keep_graph)"
+    try:
+        drv = _driver()
+        version = ctypes.c_int()
+        drv("cuDriverGetVersion", ctypes.byref(version))
+        if version.value < 12040:
+            return f"the CUDA driver ({version.value}) predates conditional nodes (12040)"
+        torch.cuda.init()
+        with torch.cuda.device(device):
+            torch.zeros(1, device=device)  # the primary context current on this thread
+            drv.set_conditional_kernel(device.index or 0)
+    except (OSError, RuntimeError, AttributeError) as e:
+        return f"conditional CUDA graphs unavailable: {e}"
+    return None
+
+
+class IfGraph:
+    """``prologue`` then, when the predicate it returns is nonzero, ``body``: one CUDA graph
+    (module docstring) launched without a host sync.
+
+    Args:
+        prologue: called once, under a CUDA-graph capture; launches what computes the predicate
+            and returns it: a CUDA tensor of one element (bool or uint8; nonzero = run the body).
+        body: called once, under another capture; launches the work of the body. Its outputs
+            and the predicate are kept alive with this object.
+        device: the CUDA device.
+        pool: a ``torch.cuda.graph_pool_handle()`` the captures allocate from (default: a new
+            one).
+
+    The captures run each callable once on a side stream first (warm-up, as
+    ``torch.cuda.make_graphed_callables`` does) with the real buffers: both callables must be
+    safe to run eagerly on the current inputs. Programmatic dependent launch is off while
+    capturing.
+
+    Raises:
+        RuntimeError: :func:`unavailable` names a reason, or a driver call failed (named, with
+            the driver's error).
+        ValueError: the prologue's predicate is not a one-element CUDA tensor of bool / uint8.
+    """
+
+    def __init__(
+        self,
+        prologue: Callable[[], torch.Tensor],
+        body: Callable[[], Any],
+        device: torch.device,
+        pool: Any = None,
+    ) -> None:
+        why = unavailable(device)
+        if why is not None:
+            raise RuntimeError(why)
+        from shardmax.runtime.kernels import set_pdl
+
+        drv = _driver()
+        self.device = device
+        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self._exec = ctypes.c_void_p()
+        self._graph = ctypes.c_void_p()
+        was = set_pdl(False)
+        try:
+            with torch.cuda.device(device):
+                ctx = drv.context()
+                drv("cuGraphCreate", ctypes.byref(self._graph), ctypes.c_uint(0))
+                handle = ctypes.c_uint64()
+                drv(
+                    "cuGraphConditionalHandleCreate", ctypes.byref(handle), self._graph, ctx,
+                    ctypes.c_uint(0), ctypes.c_uint(_ASSIGN_DEFAULT),
+                )  # fmt: skip
+                fn = drv.set_conditional_kernel(device.index or 0)
+
+                def prologue_and_set() -> torch.Tensor:
+                    pred = prologue()
+                    if (
+                        not isinstance(pred, torch.Tensor)
+                        or pred.numel() != 1
+                        or pred.device != device
+                        or pred.dtype not in (torch.bool, torch.uint8)
+                    ):
+                        raise ValueError(
+                            "prologue: expected a one-element bool / uint8 tensor on "
+                            f"{device}, got "
+                            f"{getattr(pred, 'dtype', type(pred).__name__)} "
+                            f"{list(getattr(pred, 'shape', []))} on {getattr(pred, 'device', '-')}"
+                        )
+                    stream = torch.cuda.current_stream(device).cuda_stream
+                    if torch.cuda.is_current_stream_capturing():
+                        args = (ctypes.c_uint64(handle.value), ctypes.c_uint64(pred.data_ptr()))
+                        ptrs = (ctypes.c_void_p * 2)(
+                            *(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args)
+                        )
+                        drv(
+                            "cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(stream),
+                            ptrs, None,
+                        )  # fmt: skip
+                    return pred
+
+                self._prologue, self._prologue_out = self._capture(prologue_and_set)
+                self._body, self._body_out = self._capture(body)
+                first = ctypes.c_void_p()
+                drv(
+                    "cuGraphAddChildGraphNode", ctypes.byref(first), self._graph, None,
+                    ctypes.c_size_t(0), ctypes.c_void_p(self._prologue.raw_cuda_graph()),
+                )  # fmt: skip
+                params = _NodeParams()
+                params.type = _NODE_CONDITIONAL
+                params.conditional.handle = handle.value
+                params.conditional.type = _COND_IF
+                params.conditional.size = 1
+                params.conditional.ctx = ctx
+                node = ctypes.c_void_p()
+                deps = (ctypes.c_void_p * 1)(first.value)
+                drv(
+                    "cuGraphAddNode", ctypes.byref(node), self._graph, deps, ctypes.c_size_t(1),
+                    ctypes.byref(params),
+                )  # fmt: skip
+                body_graph = ctypes.c_void_p(params.conditional.phGraph_out[0])
+                child = ctypes.c_void_p()
+                drv(
+                    "cuGraphAddChildGraphNode", ctypes.byref(child), body_graph, None,
+                    ctypes.c_size_t(0), ctypes.c_void_p(self._body.raw_cuda_graph()),
+                )  # fmt: skip
+                drv(
+                    "cuGraphInstantiateWithFlags", ctypes.byref(self._exec), self._graph,
+                    ctypes.c_ulonglong(0),
+                )  # fmt: skip
+        finally:
+            set_pdl(was)
+
+    def _capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        """``fn`` run once on a side stream, then captured (keeping its graph)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = fn()
+        return graph, out
+
+    @property
+    def outputs(self) -> tuple[Any, Any]:
+        """What the prologue (its predicate) and the body returned when captured: the tensors
+        a launch writes."""
+        return self._prologue_out, self._body_out
+
+    def launch(self) -> None:
+        """Run the graph on the current stream: the prologue, then the body where the predicate
+        is set. No host sync."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        _driver()("cuGraphLaunch", self._exec, ctypes.c_void_p(stream))
+
+    def __del__(self) -> None:
+        try:
+            lib = _driver().lib
+            exe, graph = getattr(self, "_exec", None), getattr(self, "_graph", None)
+            if exe is not None and exe.value:
+                lib.cuGraphExecDestroy(exe)
+            if graph is not None and graph.value:
+                lib.cuGraphDestroy(graph)
+        except Exception:  # interpreter shutdown: the driver may be gone
+            pass

@@ -1,0 +1,138 @@
+"""The device-decided body (:mod:`shardmax.runtime.conditional`): a CUDA graph whose IF node runs
+its body only when the prologue's predicate is set.
+
+CPU: the driver structures' layout (cuda.h of CUDA 12.4+), the refusal off CUDA, and the PTX of
+the set-conditional kernel assembled by ``ptxas`` where a CUDA toolkit is installed. GPU: the
+body skipped / taken on the predicate a kernel of the prologue computes, Triton kernels and
+torch ops with allocations in both pieces, many launches without a host sync, twice with the
+same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from shardmax.runtime import conditional
+from shardmax.runtime.conditional import SET_CONDITIONAL_PTX, IfGraph, unavailable
+
+
+def test_driver_structures_match_cuda_h() -> None:
+    """CUgraphNodeParams is 256 bytes with its union at byte 16; CUDA_CONDITIONAL_NODE_PARAMS
+    holds handle / type / size / phGraph_out / ctx at 0 / 8 / 12 / 16 / 24 (CUDA 12.4-13 cuda.h)."""
+    params, cond = conditional._NodeParams, conditional._ConditionalParams
+    assert ctypes.sizeof(params) == 256 and ctypes.sizeof(cond) == 32
+    assert params.conditional.offset == 16 and params.reserved2.offset == 248
+    offsets = [getattr(cond, f).offset for f in ("handle", "type", "size", "phGraph_out", "ctx")]
+    assert offsets == [0, 8, 12, 16, 24]
+
+
+def test_refuses_off_cuda() -> None:
+    why = unavailable(torch.device("cpu"))
+    assert why is not None and "CUDA device" in why
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        IfGraph(lambda: torch.ones((), dtype=torch.bool), lambda: None, torch.device("cpu"))
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no CUDA toolkit (ptxas) here")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_set_conditional_ptx_assembles(tmp_path, arch: str) -> None:
+    src = tmp_path / "set.ptx"
+    src.write_bytes(SET_CONDITIONAL_PTX)
+    out = subprocess.run(
+        ["ptxas", f"-arch={arch}", str(src), "-o", str(tmp_path / "set.cubin")],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+
+
+def _cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    why = unavailable(dev)
+    if why is not None:
+        pytest.fail(f"conditional graphs should run on this GPU: {why}")
+    return dev
+
+
+@pytest.mark.gpu
+def test_gpu_if_graph_runs_the_body_only_when_the_predicate_is_set() -> None:
+    from shardmax.runtime import kernels
+
+    dev = _cuda()
+    flags = torch.zeros(64, dtype=torch.bool, device=dev)
+    x = torch.zeros(1 << 16, device=dev)
+    src = torch.arange(512, dtype=torch.int64, device=dev)
+    dst = torch.zeros(512, dtype=torch.int64, device=dev)
+    table = torch.tensor([src.data_ptr(), dst.data_ptr(), src.numel() * 8], device=dev)
+    copy = kernels.kernel("table_copy")
+
+    def prologue() -> torch.Tensor:
+        return flags.any()  # a reduction kernel writes the predicate on the device
+
+    def body() -> torch.Tensor:
+        copy((1,), table, BLOCK=copy.module.BLOCK)  # a Triton kernel reading addresses from a table
+        y = x * 2 + 1  # torch ops allocating from the graph's pool
+        x.copy_(y)
+        return y
+
+    g = IfGraph(prologue, body, dev)
+    for trial in range(2):  # twice: the same bits
+        seen = []
+        for flagged in (False, True, False, True, True):
+            x.zero_()
+            dst.zero_()
+            flags.zero_()
+            if flagged:
+                flags[37 + trial] = True
+            g.launch()
+            torch.cuda.synchronize()
+            seen.append((x[0].item(), bool(torch.equal(dst, src))))
+        assert seen == [(0.0, False), (1.0, True), (0.0, False), (1.0, True), (1.0, True)], seen
+    # many launches in a row, the predicate changed in stream order between them, no host sync
+    x.zero_()
+    for i in range(50):
+        flags.fill_(i % 3 == 0)
+        g.launch()
+    torch.cuda.synchronize()
+    expect = 0.0
+    for i in range(50):
+        if i % 3 == 0:
+            expect = expect * 2 + 1
+    assert x[0].item() == expect
+
+
+@pytest.mark.gpu
+def test_gpu_if_graph_launch_cost() -> None:
+    """Prints the GPU and host time of a launch with the body skipped and taken (informative)."""
+    import time
+
+    dev = _cuda()
+    flag = torch.zeros((), dtype=torch.bool, device=dev)
+    x = torch.zeros(1 << 20, device=dev)
+    g = IfGraph(lambda: flag.clone(), lambda: x.add_(1), dev)
+    out = {}
+    for taken in (False, True):
+        flag.fill_(taken)
+        for _ in range(10):
+            g.launch()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        e0.record()
+        for _ in range(200):
+            g.launch()
+        e1.record()
+        host = (time.perf_counter() - t0) / 200 * 1e6
+        torch.cuda.synchronize()
+        out[taken] = (e0.elapsed_time(e1) * 1000 / 200, host)
+    print(
+        f"[if-graph] skipped: GPU {out[False][0]:.1f} us, host {out[False][1]:.1f} us; "
+        f"taken: GPU {out[True][0]:.1f} us, host {out[True][1]:.1f} us"
+    )
+    assert x[0].item() == 210.0
