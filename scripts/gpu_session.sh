@@ -57,6 +57,8 @@
 #   bash scripts/gpu_session.sh X   one H200: graph, resolution and histogram top-p GPU tests
 #   bash scripts/gpu_session.sh Y   one H200: flags and bytes of the histogram path, then stage
 #                                   U's top-p step benchmark
+#   bash scripts/gpu_session.sh DF  one H200: the device-decided fallback's GPU tests (conditional
+#                                   graphs, vLLM's chain inside them), then the engine loop
 #   bash scripts/gpu_session.sh HP  one H200: the host's elementary costs (the flag read, a graph
 #                                   replay, a launch; PROFILE=1: host profiles of the plug-in's
 #                                   replayed call and of a resolving top-p step)
@@ -737,6 +739,24 @@ T2)
     "$OUT/engine_tp2_T2.log" | head -40
   tar -czf "$OUT/T2.tar.gz" -C "$OUT" engine_tp2 2>/dev/null
   rm -rf "$OUT/engine_tp2"
+  ;;
+DF)
+  # the device-decided fallback: conditional CUDA graphs built through the driver API (GPU
+  # tests: body skipped / taken, launch cost), the fallback against vLLM's chain (twice per
+  # step, no host sync), then the engine loop with its path (shardmax+device)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "conditional graph + device fallback GPU tests"
+  timeout "$(left 240)" python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_conditional.py \
+    tests/test_fallback.py >"$OUT/fallback_DF.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E |\[if-graph\]|\[device fallback\]" \
+    "$OUT/fallback_DF.log" | tail -14
+  stamp "engine loop"
+  timeout "$(left 585)" python3 -m benchmarks.engine --steps "${DF_STEPS:-100}" \
+    --mixes "${DF_MIXES:-greedy,temperature,top_p}" --out "$OUT/engine" >"$OUT/engine_DF.log" 2>&1
+  echo "  rc=$?"; grep -E "^(temperature|top_p|greedy) .*(shardmax|vllm)|Error|not measured" \
+    "$OUT/engine_DF.log" | head -60
+  tar -czf "$OUT/DF.tar.gz" -C "$OUT" engine 2>/dev/null
+  rm -rf "$OUT/engine"
   ;;
 RA)
   # after a change of resolve_apply / the host read: the host read's GPU test, the resolution
