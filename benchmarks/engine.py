@@ -630,6 +630,7 @@ def _run(
                 # TP > 1 no path is captured whole (its collectives would sit in the graph)
                 row["gpu_us_graph"] = (
                     "replayed" if path == "shardmax"
+                    else "replayed (conditional graph)" if path == "shardmax+device"
                     else "n/a at TP > 1" if world > 1
                     else _graph_gpu_us(step)
                 )  # fmt: skip
