@@ -150,3 +150,18 @@ def test_gpu_device_fallback(num_reqs: int) -> None:
         assert int(res.sampled[num_reqs - 1, 0]) == 7  # nothing flagged: the body did not run
         assert fb.stats["captured"] == 1, fb.stats
         print(f"[device fallback] vLLM {chain.version} {num_reqs} requests: {fb.stats}")
+
+
+def test_plugin_device_fallback_only_where_it_can_run(monkeypatch) -> None:
+    """The plug-in's helper: None without a resolver, off CUDA, or with graphs off; on CUDA made
+    once per process (its reason logged when conditional graphs are unavailable)."""
+    from shardmax.integrations.vllm import step
+
+    monkeypatch.setattr(step, "_FALLBACK", [])
+    monkeypatch.setattr(step, "resolver", lambda: None)
+    assert step.device_fallback(torch.device("cuda", 0)) is None
+    monkeypatch.setattr(step, "resolver", lambda: object())
+    assert step.device_fallback(torch.device("cpu")) is None
+    monkeypatch.setenv(step.ENV_GRAPHS, "0")
+    assert step.device_fallback(torch.device("cuda", 0)) is None
+    assert step._FALLBACK == []
