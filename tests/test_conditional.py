@@ -135,4 +135,4 @@ def test_gpu_if_graph_launch_cost() -> None:
         f"[if-graph] skipped: GPU {out[False][0]:.1f} us, host {out[False][1]:.1f} us; "
         f"taken: GPU {out[True][0]:.1f} us, host {out[True][1]:.1f} us"
     )
-    assert x[0].item() == 210.0
+    assert x[0].item() == 211.0  # the capture's warm-up ran the body once

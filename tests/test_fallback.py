@@ -103,6 +103,10 @@ def test_device_fallback_bad_input(chain: NativeChain) -> None:
                b.logits, **kw)  # fmt: skip
     with pytest.raises(ValueError, match="draft_sampled"):
         fb.run(_result(want, [], []), b.logits, **{**kw, "draft_sampled": kw["draft_sampled"][:3]})
+    with pytest.raises(TypeError, match="unexpected"):
+        fb.run(_result(want, [], []), b.logits, **kw, top_kk=3)
+    with pytest.raises(NotImplementedError):
+        fb.run(_result(want, [], []), b.logits, **kw, num_logprobs=5)
     with pytest.raises(ValueError, match="capture_after"):
         DeviceFallback(chain, capture_after=0)
     # off CUDA without emulate: never on the device
@@ -131,6 +135,10 @@ def test_gpu_device_fallback(num_reqs: int) -> None:
         why = fb.unavailable(b.logits.device)
         assert why is None, why
         assert not fb.run(_result(want, [0], [0]), b.logits, **kw)  # first: host read
+        res = _result(want, [0], [0])
+        assert fb.run(res, b.logits, **kw)  # second: captured (a sync), then launched
+        torch.cuda.synchronize()
+        _same(res, want, f"vLLM {chain.version} {num_reqs} reqs, the capture's step")
         some = sorted(gen.choice(num_reqs, size=max(1, num_reqs // 3), replace=False).tolist())
         for flagged in ([0], some, list(range(num_reqs))):
             outs = []

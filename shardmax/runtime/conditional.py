@@ -179,12 +179,44 @@ def unavailable(device: torch.device) -> str | None:
         if version.value < 12040:
             return f"the CUDA driver ({version.value}) predates conditional nodes (12040)"
         torch.cuda.init()
+        device = _indexed(device)
         with torch.cuda.device(device):
             torch.zeros(1, device=device)  # the primary context current on this thread
-            drv.set_conditional_kernel(device.index or 0)
+            drv.set_conditional_kernel(device.index)
+        if not _self_check(device):
+            return "a conditional CUDA graph did not skip / run its body as its predicate said"
     except (OSError, RuntimeError, AttributeError) as e:
         return f"conditional CUDA graphs unavailable: {e}"
     return None
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index (``cuda`` -> ``cuda:<current>``)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+_CHECKED: dict[int, bool] = {}
+
+
+def _self_check(device: torch.device) -> bool:
+    """Once per device: a tiny :class:`IfGraph` must skip its body on predicate 0 and run it on
+    1 (two launches and a sync, at set-up only): the path is used only where the driver does
+    what this module relies on."""
+    got = _CHECKED.get(device.index)
+    if got is None:
+        flag = torch.zeros((), dtype=torch.bool, device=device)
+        hits = torch.zeros((), dtype=torch.int32, device=device)
+        g = IfGraph(lambda: flag.clone(), lambda: hits.add_(1), device, checked=True)
+        hits.zero_()
+        g.launch()
+        flag.fill_(True)
+        g.launch()
+        g.launch()
+        torch.cuda.synchronize(device)
+        got = _CHECKED[device.index] = int(hits.item()) == 2
+    return got
 
 
 class IfGraph:
@@ -199,11 +231,13 @@ class IfGraph:
         device: the CUDA device.
         pool: a ``torch.cuda.graph_pool_handle()`` the captures allocate from (default: a new
             one).
+        checked: skip :func:`unavailable` (its own self-check builds one).
 
     The captures run each callable once on a side stream first (warm-up, as
     ``torch.cuda.make_graphed_callables`` does) with the real buffers: both callables must be
     safe to run eagerly on the current inputs. Programmatic dependent launch is off while
-    capturing.
+    capturing. A launch does not advance torch's RNG (``CUDAGraph.replay`` would): the pieces
+    must not draw random numbers from torch.
 
     Raises:
         RuntimeError: :func:`unavailable` names a reason, or a driver call failed (named, with
@@ -217,8 +251,10 @@ class IfGraph:
         body: Callable[[], Any],
         device: torch.device,
         pool: Any = None,
+        checked: bool = False,
     ) -> None:
-        why = unavailable(device)
+        device = _indexed(device)
+        why = None if checked else unavailable(device)
         if why is not None:
             raise RuntimeError(why)
         from shardmax.runtime.kernels import set_pdl
@@ -238,7 +274,7 @@ class IfGraph:
                     "cuGraphConditionalHandleCreate", ctypes.byref(handle), self._graph, ctx,
                     ctypes.c_uint(0), ctypes.c_uint(_ASSIGN_DEFAULT),
                 )  # fmt: skip
-                fn = drv.set_conditional_kernel(device.index or 0)
+                fn = drv.set_conditional_kernel(device.index)
 
                 def prologue_and_set() -> torch.Tensor:
                     pred = prologue()

@@ -39,6 +39,7 @@ the chain needs the full logits, which no rank holds: callers use it at TP 1.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 from collections import OrderedDict
@@ -67,6 +68,8 @@ MAX_GRAPHS = 16
 _READ = ("logits", "draft_sampled", "cu_num_logits", "pos", "idx_mapping", "expanded_idx_mapping",
          "expanded_local_pos", "seq_lens", *_PERSISTENT)  # fmt: skip
 """The tensors the captured chain reads by address."""
+_VERIFY_ARGS = frozenset(inspect.signature(NativeChain.verify).parameters) - {"self", "logits"}
+"""The step arguments :meth:`NativeChain.verify` takes."""
 _COPY_WORDS = 3
 """The prologue's ``table_copy`` entry: the step's fallback address, the static buffer's, bytes."""
 
@@ -154,9 +157,13 @@ class DeviceFallback:
         if self.unavailable(device) is not None:
             self.stats["host_read"] += 1
             return False
+        unknown = sorted(set(step) - _VERIFY_ARGS)
+        if unknown:
+            raise TypeError(f"run: unexpected step arguments {unknown}")
         self.chain._refuse_unsupported(
             step.get("draft_logits"), step.get("rejection_sample_method", "standard"),
-            step.get("synthetic_conditional_rates"), False, None, None,
+            step.get("synthetic_conditional_rates"), step.get("logits_processing", False),
+            step.get("num_logprobs"), step.get("watermark_key"),
         )  # fmt: skip
         if step.get("synthetic_conditional_rates") is not None:
             self.stats["host_read"] += 1
