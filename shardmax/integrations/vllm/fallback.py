@@ -94,7 +94,6 @@ class _Step:
         self.req_sel = torch.arange(num_reqs, dtype=torch.int64, device=device)
         self.graph: Any = None
         self.keep: list[Any] = []
-        self.seen = 0
         self.failed = False
 
 
@@ -119,13 +118,15 @@ class DeviceFallback:
         self.capture_after = capture_after
         self.emulate = emulate
         self._steps: OrderedDict[tuple[Any, ...], _Step] = OrderedDict()
+        self._seen: OrderedDict[tuple[Any, ...], int] = OrderedDict()
         self._pool: Any = None
         self._lock = threading.Lock()
         self._why: dict[torch.device, str | None] = {}
         self._gates_memo: dict[tuple[Any, ...], Any] = {}
-        self.stats = {"launched": 0, "host_read": 0, "captured": 0}
+        self.stats = {"launched": 0, "host_read": 0, "captured": 0, "capture_failed": 0}
         """Steps launched on the device; steps returned to the caller's host read (new or
-        unsupported signatures); graphs captured."""
+        unsupported signatures); graphs captured; captures that failed (their signature then
+        reads the flags on the host)."""
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why no step on ``device`` can run here (None: steps can)."""
@@ -189,12 +190,20 @@ class DeviceFallback:
         with self._lock:
             st = self._steps.get(key)
             if st is None:
+                # a signature not captured yet: counted apart, so new signatures never push
+                # captured graphs out before they are captured themselves
+                seen = self._seen.pop(key, 0) + 1
+                if seen < self.capture_after:
+                    self._seen[key] = seen
+                    if len(self._seen) > 4 * MAX_GRAPHS:
+                        self._seen.popitem(last=False)
+                    self.stats["host_read"] += 1
+                    return False
                 if len(self._steps) >= MAX_GRAPHS:
                     self._steps.popitem(last=False)
                 st = self._steps[key] = _Step(num_reqs, device)
             self._steps.move_to_end(key)
-            st.seen += 1
-            if st.failed or (st.graph is None and st.seen < self.capture_after):
+            if st.failed:
                 self.stats["host_read"] += 1
                 return False
             words[1] = st.flags.data_ptr()
@@ -266,7 +275,11 @@ class DeviceFallback:
         copy = kernels.kernel("table_copy")
         apply = kernels.kernel("resolve_apply")
         chain = self.chain
-        kw = {**step, "checks": False}
+        # the host arrays as they are now: a graph keeps the decisions it was captured with,
+        # and so does the eager stand-in (a later in-place change is a new signature, never
+        # a silently re-decided body)
+        kw = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in step.items()}
+        kw["checks"] = False
 
         def prologue() -> torch.Tensor:
             copy((1,), st.table, BLOCK=copy.module.BLOCK)
@@ -297,6 +310,7 @@ class DeviceFallback:
             st.graph = IfGraph(prologue, body, logits.device, pool=self._pool)
         except Exception as e:  # a launch that cannot be captured: this signature reads flags
             st.failed = True
+            self.stats["capture_failed"] += 1
             warnings.warn(
                 f"shardmax: the device fallback's capture failed ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else ''}); its steps read the flags "
