@@ -174,11 +174,15 @@ def test_gpu_device_fallback(num_reqs: int) -> None:
 
 
 def test_plugin_device_fallback_only_where_it_can_run(monkeypatch) -> None:
-    """The plug-in's helper: None without a resolver, off CUDA, or with graphs off; on CUDA made
-    once per process (its reason logged when conditional graphs are unavailable)."""
+    """The plug-in's helper: None unless opted in, without a resolver, off CUDA, or with graphs
+    off."""
     from shardmax.integrations.vllm import step
 
     monkeypatch.setattr(step, "_FALLBACK", [])
+    monkeypatch.setattr(step, "resolver", lambda: object())
+    monkeypatch.delenv(step.ENV_DEVICE_FALLBACK, raising=False)
+    assert step.device_fallback(torch.device("cuda", 0)) is None  # opt-in
+    monkeypatch.setenv(step.ENV_DEVICE_FALLBACK, "1")
     monkeypatch.setattr(step, "resolver", lambda: None)
     assert step.device_fallback(torch.device("cuda", 0)) is None
     monkeypatch.setattr(step, "resolver", lambda: object())

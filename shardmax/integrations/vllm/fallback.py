@@ -278,7 +278,9 @@ class DeviceFallback:
         # the host arrays as they are now: a graph keeps the decisions it was captured with,
         # and so does the eager stand-in (a later in-place change is a new signature, never
         # a silently re-decided body)
-        kw = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in step.items()}
+        kw: dict[str, Any] = {
+            k: v.copy() if isinstance(v, np.ndarray) else v for k, v in step.items()
+        }
         kw["checks"] = False
 
         def prologue() -> torch.Tensor:
