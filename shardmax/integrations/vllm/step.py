@@ -556,8 +556,8 @@ def device_fallback(device: torch.device) -> Any:
     the flags), or None: no resolver (:func:`resolver`), not a CUDA device,
     ``$SHARDMAX_VLLM_GRAPHS=0``, or conditional graphs unavailable here (the reason logged once).
     Made once per process; only TP 1 calls it (the chain needs the full logits). Opt-in with
-    ``$SHARDMAX_VLLM_DEVICE_FALLBACK=1`` until its GPU tests have run on the H200 (none has yet:
-    no machine was lent after it was built)."""
+    ``$SHARDMAX_VLLM_DEVICE_FALLBACK=1`` until the engine loop has measured it on the H200 (its
+    GPU tests pass there)."""
     if os.environ.get(ENV_DEVICE_FALLBACK, "0").strip().lower() not in ("1", "true", "on", "yes"):
         return None
     chain = resolver()
