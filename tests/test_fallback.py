@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardmax.integrations.vllm.fallback import DeviceFallback
+from shardmax.integrations.vllm.fallback import DeviceFallback, _pow2
 from shardmax.ops.sampled import VerifyResult
 from shardmax.testing.traffic import realistic_batch
 from shardmax.testing.vllm_chain import NativeChain, verify_inputs
@@ -60,6 +60,32 @@ def _step(seed: int, num_reqs: int, vocab: int, device: str):
     return b, verify_inputs(b)
 
 
+def _sub_step(logits: torch.Tensor, kw: dict, picks: list[tuple[int, int]], width: int = 0):
+    """A step of some of a batch's requests, ``picks = [(request, rows), ...]`` (its first
+    ``rows`` rows: fewer drafts), on the batch's per-slot state (vLLM's persistent buffers) and
+    in new tensors (vLLM allocates them per step). ``width > V``: the logits a view of wider
+    rows (the padded LM head's ``[:, :V]``)."""
+    cu = kw["cu_num_logits_np"].astype(np.int64)
+    rows = torch.tensor([int(cu[r]) + i for r, c in picks for i in range(c)], dtype=torch.int64)
+    dev = logits.device
+    sub_cu = np.concatenate([[0], np.cumsum([c for _, c in picks])]).astype(cu.dtype)
+    reqs = torch.tensor([r for r, _ in picks], dtype=torch.int64)
+    out = dict(kw)
+    for name in ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos"):
+        out[name] = kw[name][rows.to(dev)].clone()
+    for name in ("idx_mapping", "seq_lens"):
+        out[name] = kw[name][reqs.to(dev)].clone()
+    out["cu_num_logits"] = torch.from_numpy(sub_cu).to(dev, kw["cu_num_logits"].dtype)
+    out["cu_num_logits_np"] = sub_cu
+    out["idx_mapping_np"] = kw["idx_mapping_np"][reqs.numpy()].copy()
+    sub = logits[rows.to(dev)]
+    if width > sub.shape[1]:
+        wide = torch.full((sub.shape[0], width), 99.0, dtype=sub.dtype, device=dev)
+        wide[:, : sub.shape[1]] = sub  # padding columns that would win if read
+        sub = wide[:, : logits.shape[1]]
+    return sub, out
+
+
 @pytest.mark.e2e
 @by_version
 def test_device_fallback_emulated(chain: NativeChain) -> None:
@@ -80,12 +106,12 @@ def test_device_fallback_emulated(chain: NativeChain) -> None:
     assert fb.run(res, b.logits, **{**kw, "checks": False})
     assert int(res.num_sampled[2]) == 1 and int(res.sampled[2, 0]) == 7
     assert fb.stats["launched"] == 4
-    # a moved logits tensor is another signature: host read first
+    # the logits elsewhere (vLLM allocates them per step): the same signature, read there
     moved = b.logits.clone()
     res = _result(want, [3], [3])
-    assert not fb.run(res, moved, **kw)
     assert fb.run(res, moved, **kw)
     _same(res, want, "moved logits")
+    assert fb.stats["captured"] == 1
     # sampling values changed in place (same addresses): vLLM decides otherwise (temperature
     # launches, fp32 copy), so it is another signature -- never the old body
     kw_hot = {**kw, "temperature_np": kw["temperature_np"].copy()}
@@ -103,6 +129,57 @@ def test_device_fallback_emulated(chain: NativeChain) -> None:
     res = _result(want, [1], [1])
     res = res._replace(num_sampled=res.num_sampled.to(torch.int64))
     assert not fb.run(res, b.logits, **kw)
+    # a batch tensor it cannot copy as bytes: the caller reads the flags
+    strided = {**kw, "pos": torch.stack([kw["pos"], kw["pos"]], 1)[:, 0]}
+    assert not fb.run(_result(want, [1], [1]), b.logits, **strided)
+    # an empty step: nothing to decide
+    empty, kw_empty = _sub_step(b.logits, kw, [])
+    none = _result([t[:0] for t in want[:3]], [], [])
+    assert fb.run(none, empty, **{**kw_empty, "checks": False})
+
+
+@pytest.mark.e2e
+@by_version
+def test_device_fallback_buckets(chain: NativeChain) -> None:
+    """Steps of 5 to 8 requests (K = 3, 1 to 4 rows each) share one bucket (8 requests, 32
+    rows): one capture, padding requests and rows past the last request's in the static buffers,
+    every step in new tensors, `==` vLLM's chain on the step itself; a step of 9 is the next
+    bucket; logits rows wider than V (the padded LM head's view) a signature of their own."""
+    b, kw = _step(11, 10, 384, "cpu")
+    fb = DeviceFallback(chain, emulate=True)
+    gen = np.random.default_rng(5)
+    shapes = [
+        [(r, 4) for r in range(8)],  # a full bucket: no padding
+        [(0, 4), (3, 1), (5, 2), (7, 4), (9, 3)],  # 5 requests, 14 rows
+        [(2, 2), (1, 4), (4, 1), (6, 3), (8, 4), (9, 1), (0, 2)],  # 7 requests, 17 rows
+        [(r, 1) for r in range(6)],  # 6 requests, 6 rows: most of the rows past the last
+    ]
+    for i, picks in enumerate([shapes[0], *shapes]):
+        logits, sub = _sub_step(b.logits, kw, picks)
+        want = chain.verify(logits, **sub)
+        n = len(picks)
+        flagged = sorted(gen.choice(n, size=1 + i % n, replace=False).tolist())
+        res = _result(want, flagged, flagged)
+        assert fb.run(res, logits, **sub) == (i > 0), (i, fb.stats)
+        if i > 0:
+            _same(res, want, f"step {i}: {n} requests, flagged {flagged}")
+    assert fb.stats["captured"] == 1, fb.stats
+    # 9 requests: the next bucket (16), first seen: the caller's host read
+    logits, sub = _sub_step(b.logits, kw, [(r, 2) for r in range(9)])
+    want = chain.verify(logits, **sub)
+    assert not fb.run(_result(want, [4], [4]), logits, **sub)
+    res = _result(want, [4, 8], [4, 8])
+    assert fb.run(res, logits, **sub)
+    _same(res, want, "9 requests in the bucket of 16")
+    # wider logits rows: their own signature, the padding columns never read
+    for step in range(2):
+        logits, sub = _sub_step(b.logits, kw, shapes[1], width=448)
+        want = chain.verify(logits, **sub)
+        res = _result(want, [2], [2])
+        assert fb.run(res, logits, **sub) == (step == 1)
+        if step:
+            _same(res, want, "logits rows 448 wide")
+    assert fb.stats["captured"] == 3, fb.stats
 
 
 @pytest.mark.e2e
@@ -169,6 +246,26 @@ def test_gpu_device_fallback(num_reqs: int) -> None:
         assert fb.run(res, b.logits, **kw)
         torch.cuda.synchronize()
         assert int(res.sampled[num_reqs - 1, 0]) == 7  # nothing flagged: the body did not run
+        # smaller steps of the same bucket, in new tensors (rows 1..K+1 per request): the same
+        # graph, vLLM's answers on the step itself
+        low = _pow2(num_reqs) // 2 + 1
+        for n in sorted({low, (low + num_reqs) // 2, num_reqs}):
+            picks = [(int(r), int(gen.integers(1, 5))) for r in gen.permutation(num_reqs)[:n]]
+            logits, sub = _sub_step(b.logits, kw, picks)
+            want_sub = chain.verify(logits, **sub)
+            outs = []
+            for _ in range(2):
+                res = _result(want_sub, list(range(0, n, 2)), list(range(0, n, 2)))
+                syncs = host_syncs(
+                    lambda res=res, logits=logits, sub=sub, fb=fb: fb.run(
+                        res, logits, **{**sub, "checks": False}
+                    )
+                )
+                assert syncs == "none", syncs
+                torch.cuda.synchronize()
+                _same(res, want_sub, f"vLLM {chain.version}: {n} of {num_reqs} reqs, {picks}")
+                outs.append([t.clone() for t in res[:3]])
+            assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True))
         assert fb.stats["captured"] == 1, fb.stats
         print(f"[device fallback] vLLM {chain.version} {num_reqs} requests: {fb.stats}")
 

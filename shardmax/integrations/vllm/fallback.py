@@ -21,19 +21,34 @@ So every request ends with vLLM's answer -- shardmax's where nothing was flagged
 construction, the parity tests' claim), vLLM's own where something was -- and a step's host work
 is one small host->device copy of the table and one graph launch, whatever the flags say.
 
-What the captured chain reads by address -- the logits, every batch tensor and vLLM's per-slot
-sampling state -- is part of the signature (address, dtype, shape, strides), as are the chain's
-host decisions (its chunks, and per chunk vLLM's gates: fp32 copy, temperature, min-p, top-k /
-top-p and the row count that picks the top-p pipeline). A step whose tensors moved is a new
-signature: it runs the host-read path (the caller's) until it repeats ``capture_after`` times,
-then is captured (at most :data:`MAX_GRAPHS` per fallback, least recently used out). An engine
-whose buffers are persistent (vLLM's input buffers, its captured LM head's output) repeats its
-signatures.
+**Signatures are buckets, not addresses.** vLLM allocates a step's logits and batch tensors
+anew (and its batch grows and shrinks as requests come and go), so the body never reads them
+where they are: its first launch copies them (``table_copy``, their addresses and byte counts in
+the step's table) into static buffers of a bucket -- ``R`` requests (the power of two at or above
+the step's), ``N = R (K + 1)`` logits rows (at most vLLM's chunk limit, which must hold the step's
+rows plus one per padding request) --, then fills the padding: each padding
+request has one row, on the first request's slot; rows past the last request's belong to no
+request (vLLM's per-row kernels read their slot from ``expanded_idx_mapping``, its per-request
+kernels their rows from ``cu_num_logits``). vLLM's chain then runs on the ``N`` rows (its
+per-row and per-request work is independent, so the real requests get the answers vLLM gives on
+the step itself; tested ``==`` on steps of every size of a bucket) and ``resolve_apply`` writes
+the first ``num_reqs`` answers. A step's signature is then its bucket, K, the vocabulary, the
+dtypes and logits row stride, the addresses of vLLM's persistent per-slot state (``_PERSISTENT``:
+temperatures, seeds, top-k / top-p / min-p, prefill lengths) and the chain's host decisions
+(vLLM's gates, which read the requests' slots: a padding request repeats a real one's, so the
+gates are the step's). Steps with top-p rows run at their exact size (vLLM picks its top-p
+pipeline by the row count). A signature runs the host-read path (the caller's) until it repeats
+``capture_after`` times, then is captured (at most :data:`MAX_GRAPHS` per fallback, least
+recently used out). The static logits buffer is shared by the signatures of one vocabulary and
+dtype (it grows to the largest bucket; the graphs replay in stream order).
 
 Where it does not apply, :meth:`DeviceFallback.run` returns False and the caller reads the flags
 as before: off CUDA (unless ``emulate``), where :func:`shardmax.runtime.conditional.unavailable`
-names a reason, for steps with a synthetic rejection method, and for outputs the kernel cannot
-write (not contiguous or not the dtypes of :class:`~shardmax.ops.sampled.VerifyResult`). At TP > 1
+names a reason, for steps with a synthetic rejection method, for outputs the kernel cannot write
+(not contiguous or not the dtypes of :class:`~shardmax.ops.sampled.VerifyResult`), for step
+tensors it cannot copy as bytes (batch tensors not contiguous, logits whose last stride is not 1)
+and for steps whose bucket would exceed vLLM's chunk (``2**30 / (4 V)`` rows: 1341 at
+V = 200064). At TP > 1
 the chain needs the full logits, which no rank holds: callers use it at TP 1.
 """
 
@@ -48,7 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardmax.integrations.vllm.chain import NativeChain, max_chunk_logits, request_chunks
+from shardmax.integrations.vllm.chain import NativeChain, max_chunk_logits
 from shardmax.integrations.vllm.resolution import (
     _APPLY_DTYPES,
     _PERSISTENT,
@@ -65,13 +80,28 @@ __all__ = ["MAX_GRAPHS", "DeviceFallback"]
 
 MAX_GRAPHS = 16
 """Captured step signatures kept per fallback (least recently used out)."""
-_READ = ("logits", "draft_sampled", "cu_num_logits", "pos", "idx_mapping", "expanded_idx_mapping",
-         "expanded_local_pos", "seq_lens", *_PERSISTENT)  # fmt: skip
-"""The tensors the captured chain reads by address."""
 _VERIFY_ARGS = frozenset(inspect.signature(NativeChain.verify).parameters) - {"self", "logits"}
 """The step arguments :meth:`NativeChain.verify` takes."""
-_COPY_WORDS = 3
-"""The prologue's ``table_copy`` entry: the step's fallback address, the static buffer's, bytes."""
+_ROWS = ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos")
+"""The step's ``[num_logits]`` tensors, copied into the bucket's static buffers."""
+_REQS = ("idx_mapping", "seq_lens")
+"""The step's ``[num_reqs]`` tensors, copied likewise (and ``cu_num_logits``, ``[num_reqs + 1]``)."""
+_COPIED = ("logits", *_ROWS, "cu_num_logits", *_REQS)
+"""The body's copy entries, in table order."""
+# the step's table (int64 words): the prologue's copy entry (fallback flags -> static flags),
+# resolve_apply's words (num_reqs, then the five output addresses), the step's rows, then the
+# body's copy entries [source, destination, bytes] in _COPIED order
+_FLAGS = 0
+_APPLY = 3
+_NUM_LOGITS = _APPLY + APPLY_WORDS
+_BODY = _NUM_LOGITS + 1
+_WORDS = _BODY + 3 * len(_COPIED)
+_COPY_PROGRAMS = 2048
+"""The most programs that share the logits' copy (``table_copy``'s second grid axis)."""
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
 
 
 class _Eager:
@@ -85,13 +115,31 @@ class _Eager:
             self.body()
 
 
-class _Step:
-    """One signature's static buffers and its graph."""
+class _Bucket:
+    """One signature's static buffers, its table (and the host words written into it each step)
+    and its graph."""
 
-    def __init__(self, num_reqs: int, device: torch.device) -> None:
-        self.table = torch.zeros(_COPY_WORDS + APPLY_WORDS, dtype=torch.int64, device=device)
-        self.flags = torch.zeros(num_reqs, dtype=torch.bool, device=device)
-        self.req_sel = torch.arange(num_reqs, dtype=torch.int64, device=device)
+    def __init__(
+        self, reqs: int, rows: int, logits: torch.Tensor, dtypes: dict[str, torch.dtype]
+    ) -> None:
+        dev = logits.device
+        self.reqs, self.rows = reqs, rows
+        self.logits = logits  # [rows, V] view of the shared static logits (its row stride)
+        self.static = {
+            **{name: torch.zeros(rows, dtype=dtypes[name], device=dev) for name in _ROWS},
+            **{name: torch.zeros(reqs, dtype=dtypes[name], device=dev) for name in _REQS},
+            "cu_num_logits": torch.zeros(reqs + 1, dtype=dtypes["cu_num_logits"], device=dev),
+        }
+        self.req_iota = torch.arange(reqs, dtype=torch.int64, device=dev)
+        self.row_iota = torch.arange(rows, dtype=torch.int64, device=dev)
+        self.cu_iota = torch.arange(reqs + 1, dtype=torch.int64, device=dev)
+        self.flags = torch.zeros(reqs, dtype=torch.bool, device=dev)
+        self.table = torch.zeros(_WORDS, dtype=torch.int64, device=dev)
+        self.words = np.zeros(_WORDS, dtype=np.int64)
+        self.words[_FLAGS + 1] = self.flags.data_ptr()
+        dst = {"logits": logits, **self.static}
+        for i, name in enumerate(_COPIED):
+            self.words[_BODY + 3 * i + 1] = dst[name].data_ptr()
         self.graph: Any = None
         self.keep: list[Any] = []
         self.failed = False
@@ -105,7 +153,7 @@ class DeviceFallback:
         capture_after: a signature is captured on its ``capture_after``-th step (the earlier
             ones return False: the caller's host-read path).
         emulate: off CUDA, run the same prologue and body eagerly with a host read of the
-            predicate (the CPU tests of the tables and kernels).
+            predicate (the CPU tests of the tables, the padding and the kernels).
 
     Raises:
         ValueError: ``capture_after < 1``.
@@ -117,8 +165,9 @@ class DeviceFallback:
         self.chain = chain
         self.capture_after = capture_after
         self.emulate = emulate
-        self._steps: OrderedDict[tuple[Any, ...], _Step] = OrderedDict()
+        self._buckets: OrderedDict[tuple[Any, ...], _Bucket] = OrderedDict()
         self._seen: OrderedDict[tuple[Any, ...], int] = OrderedDict()
+        self._logits: dict[tuple[Any, ...], torch.Tensor] = {}
         self._pool: Any = None
         self._lock = threading.Lock()
         self._why: dict[torch.device, str | None] = {}
@@ -142,13 +191,15 @@ class DeviceFallback:
 
         Args:
             result: the step's outputs (written in place where a request was flagged).
-            logits: ``[num_logits, V]`` the step's full logits (TP 1: the local logits).
+            logits: ``[num_logits, V]`` the step's full logits (TP 1: the local logits; any row
+                stride, last stride 1).
             step: :meth:`NativeChain.verify`'s other arguments (``checks`` honoured: with it,
                 the chain's own argument checks run first).
 
         Returns:
-            True when queued on the device (no host sync); False when the caller must read the
-            flags itself: a signature not captured yet, or not supported (module docstring).
+            True when queued on the device (no host sync), or the step has no request; False
+            when the caller must read the flags itself: a signature not captured yet, or not
+            supported (module docstring).
 
         Raises:
             ValueError / TypeError / NotImplementedError: as :meth:`NativeChain.verify`'s
@@ -166,30 +217,29 @@ class DeviceFallback:
             step.get("synthetic_conditional_rates"), step.get("logits_processing", False),
             step.get("num_logprobs"), step.get("watermark_key"),
         )  # fmt: skip
-        if step.get("synthetic_conditional_rates") is not None:
-            self.stats["host_read"] += 1
-            return False
         if step.get("checks", True):
             self.chain._check_logits(logits)
             self._checks(logits, step)
         _check_result(result, step)
+        num_reqs = int(result.fallback.shape[0])
+        if num_reqs == 0:
+            return True  # nothing to flag
         outs = (result.sampled, result.num_sampled, result.num_rejected, result.fallback,
                 result.reason)  # fmt: skip
-        if any(
-            t.dtype != d or t.device != device or not t.is_contiguous()
+        tensors = {"logits": logits, **{name: step[name] for name in _ROWS + _REQS},
+                   "cu_num_logits": step["cu_num_logits"]}  # fmt: skip
+        key = None
+        if step.get("synthetic_conditional_rates") is None and all(
+            t.dtype == d and t.device == device and t.is_contiguous()
             for t, d in zip(outs, _APPLY_DTYPES, strict=True)
         ):
+            key = self._key(logits, tensors, step, num_reqs)
+        if key is None:
             self.stats["host_read"] += 1
             return False
-        key = self._key(logits, step)
-        num_reqs = int(result.fallback.shape[0])
-        words = np.array(
-            [result.fallback.data_ptr(), 0, num_reqs, num_reqs, *(t.data_ptr() for t in outs)],
-            dtype=np.int64,
-        )
         with self._lock:
-            st = self._steps.get(key)
-            if st is None:
+            b = self._buckets.get(key)
+            if b is None:
                 # a signature not captured yet: counted apart, so new signatures never push
                 # captured graphs out before they are captured themselves
                 seen = self._seen.pop(key, 0) + 1
@@ -199,25 +249,24 @@ class DeviceFallback:
                         self._seen.popitem(last=False)
                     self.stats["host_read"] += 1
                     return False
-                if len(self._steps) >= MAX_GRAPHS:
-                    self._steps.popitem(last=False)
-                st = self._steps[key] = _Step(num_reqs, device)
-            self._steps.move_to_end(key)
-            if st.failed:
+                if len(self._buckets) >= MAX_GRAPHS:
+                    self._buckets.popitem(last=False)
+                b = self._buckets[key] = self._bucket(key, logits, tensors)
+            self._buckets.move_to_end(key)
+            if b.failed:
                 self.stats["host_read"] += 1
                 return False
-            words[1] = st.flags.data_ptr()
-            stage_into(st.table, words)
-            if st.graph is None:
-                self._capture(st, logits, step)
-                if st.graph is None:
+            stage_into(b.table, self._words(b, result, tensors, num_reqs))
+            if b.graph is None:
+                self._capture(b, step, num_reqs)
+                if b.graph is None:
                     self.stats["host_read"] += 1
                     return False
-            st.graph.launch()
+            b.graph.launch()
             self.stats["launched"] += 1
             return True
 
-    # ---- signature and capture ---------------------------------------------------------------
+    # ---- signature, buffers and table --------------------------------------------------------
 
     def _checks(self, logits: torch.Tensor, step: dict[str, Any]) -> None:
         """The chain's argument checks of the step (its ``verify(checks=True)`` ones)."""
@@ -232,33 +281,50 @@ class DeviceFallback:
             step.get("min_p_np"), step.get("synthetic_conditional_rates"),
         )  # fmt: skip
 
-    def _key(self, logits: torch.Tensor, step: dict[str, Any]) -> tuple[Any, ...]:
-        """The step's signature: what the captured chain reads by address, and its host
-        decisions (chunks, and vLLM's gates per chunk)."""
-        tensors = {"logits": logits, **step}
-        read = tuple(
-            (name, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-            for name in _READ
-            if (t := tensors.get(name)) is not None
-        )
-        vocab = int(logits.shape[1])
-        cu_np = np.asarray(step["cu_num_logits_np"])
-        slots = np.asarray(step["idx_mapping_np"])
-        limit = self.chain.max_chunk_rows or max_chunk_logits(vocab)
+    def _key(
+        self,
+        logits: torch.Tensor,
+        tensors: dict[str, torch.Tensor],
+        step: dict[str, Any],
+        num_reqs: int,
+    ) -> tuple[Any, ...] | None:
+        """The step's signature (module docstring), or None when the body cannot copy its
+        tensors or its bucket exceeds vLLM's chunk."""
+        if (
+            logits.dim() != 2
+            or logits.stride(1) != 1
+            or any(not t.is_contiguous() for name, t in tensors.items() if name != "logits")
+        ):
+            return None
+        num_logits, vocab = int(logits.shape[0]), int(logits.shape[1])
+        k = int(step["num_speculative_steps"])
+        slots = np.asarray(step["idx_mapping_np"])[:num_reqs]
         state = NativeChain._State(
             step["temperature_gpu"], step["temperature_np"], step.get("top_k_gpu"),
             step.get("top_k_np"), step.get("top_p_gpu"), step.get("top_p_np"),
             step.get("min_p_gpu"), step.get("min_p_np"),
         )  # fmt: skip
-        chunks = tuple(
-            (s, e, self._gates(slots[s:e], state, vocab, int(cu_np[e] - cu_np[s])))
-            for s, e in request_chunks(cu_np, limit)
+        limit = self.chain.max_chunk_rows or max_chunk_logits(vocab)
+        gates = self._gates(slots, state, vocab, num_logits)
+        if gates.do_p:  # vLLM's top-p pipeline depends on the rows: the step's exact size
+            reqs, rows = num_reqs, num_logits
+        else:
+            reqs = _pow2(num_reqs)
+            rows = min(reqs * (k + 1), limit)
+            gates = self._gates(slots, state, vocab, rows)
+        if num_logits + reqs - num_reqs > rows or rows > limit:
+            return None
+        persistent = tuple(
+            (name, t.data_ptr(), t.dtype, tuple(t.shape))
+            for name in _PERSISTENT
+            if (t := step.get(name)) is not None
         )
-        return (read, chunks, int(step["num_speculative_steps"]),
+        return (reqs, rows, k, vocab, logits.dtype, max(int(logits.stride(0)), vocab),
+                tuple(tensors[name].dtype for name in _COPIED[1:]), persistent, gates,
                 bool(step.get("use_fp64_gumbel", False)))  # fmt: skip
 
     def _gates(self, slots: np.ndarray, state: Any, vocab: int, rows: int) -> Any:
-        """:meth:`NativeChain._gates`, memoised on what it reads (the chunk's slots and their
+        """:meth:`NativeChain._gates`, memoised on what it reads (the requests' slots and their
         sampling values, the vocabulary, the rows): ~3 us of host time instead of ~10."""
         arrays = (state.temperature_np, state.top_k_np, state.top_p_np, state.min_p_np)
         memo_key = (vocab, rows, slots.tobytes(),
@@ -270,25 +336,91 @@ class DeviceFallback:
             got = self._gates_memo[memo_key] = NativeChain._gates(slots, state, vocab, rows)
         return got
 
-    def _capture(self, st: _Step, logits: torch.Tensor, step: dict[str, Any]) -> None:
+    def _bucket(
+        self, key: tuple[Any, ...], logits: torch.Tensor, tensors: dict[str, torch.Tensor]
+    ) -> _Bucket:
+        """A signature's static buffers; its logits a view of the shared buffer of its
+        vocabulary, dtype and row stride (grown, never shrunk, to the largest bucket)."""
+        reqs, rows, _, vocab, dtype, width = key[:6]
+        shared_key = (logits.device, vocab, dtype, width)
+        shared = self._logits.get(shared_key)
+        if shared is None or shared.shape[0] < rows:
+            shared = torch.zeros((rows, width), dtype=dtype, device=logits.device)
+            self._logits[shared_key] = shared  # buckets made before keep theirs
+        dtypes = {name: t.dtype for name, t in tensors.items()}
+        return _Bucket(reqs, rows, shared[:rows, :vocab], dtypes)
+
+    @staticmethod
+    def _words(
+        b: _Bucket, result: VerifyResult, tensors: dict[str, torch.Tensor], num_reqs: int
+    ) -> np.ndarray:
+        """The step's table: its flags, outputs, rows and the body's copy entries."""
+        w = b.words
+        logits = tensors["logits"]
+        num_logits = int(logits.shape[0])
+        w[_FLAGS] = result.fallback.data_ptr()
+        w[_FLAGS + 2] = num_reqs
+        w[_APPLY] = num_reqs
+        w[_APPLY + 1 : _APPLY + APPLY_WORDS] = (
+            result.sampled.data_ptr(), result.num_sampled.data_ptr(),
+            result.num_rejected.data_ptr(), result.fallback.data_ptr(), result.reason.data_ptr(),
+        )  # fmt: skip
+        w[_NUM_LOGITS] = num_logits
+        span = (num_logits - 1) * int(logits.stride(0)) + int(logits.shape[1]) if num_logits else 0
+        for i, name in enumerate(_COPIED):
+            t = tensors[name]
+            w[_BODY + 3 * i] = t.data_ptr()
+            w[_BODY + 3 * i + 2] = (span if name == "logits" else t.numel()) * t.element_size()
+        return w
+
+    # ---- capture -------------------------------------------------------------------------------
+
+    def _capture(self, b: _Bucket, step: dict[str, Any], num_reqs: int) -> None:
         """Build the signature's graph (or its eager stand-in), the table already uploaded."""
         copy = kernels.kernel("table_copy")
         apply = kernels.kernel("resolve_apply")
         chain = self.chain
-        # the host arrays as they are now: a graph keeps the decisions it was captured with,
-        # and so does the eager stand-in (a later in-place change is a new signature, never
-        # a silently re-decided body)
+        s = b.static
+        # the host arrays as they are now (a graph keeps the decisions it was captured with;
+        # the eager stand-in keeps them too). The chain reads its host copies of the slots and
+        # of cu_num_logits for its gates and chunks only: the bucket's slots (padding requests
+        # on the first one's, which leaves vLLM's gates as they are) and a single chunk of
+        # b.rows rows.
+        slots = np.asarray(step["idx_mapping_np"])[:num_reqs]
+        idx_np = np.concatenate([slots, np.full(b.reqs - num_reqs, slots[0], dtype=slots.dtype)])
+        cu_np = np.arange(b.reqs + 1, dtype=np.int64)
+        cu_np[-1] = b.rows
         kw: dict[str, Any] = {
-            k: v.copy() if isinstance(v, np.ndarray) else v for k, v in step.items()
+            k: v.copy() if isinstance(v, np.ndarray) else v
+            for k, v in step.items()
+            if k not in _ROWS + _REQS + ("cu_num_logits",)
         }
-        kw["checks"] = False
+        kw.update(s, idx_mapping_np=idx_np, cu_num_logits_np=cu_np, checks=False)
+        table = b.table
+        n, m = table[_APPLY], table[_NUM_LOGITS]
+        block = copy.module.BLOCK
+        programs = max(
+            1, min(_COPY_PROGRAMS, -(-b.logits.numel() * b.logits.element_size() // (16 * block)))
+        )
 
         def prologue() -> torch.Tensor:
-            copy((1,), st.table, BLOCK=copy.module.BLOCK)
-            return st.flags.any()
+            copy((1,), table[_FLAGS:], BLOCK=block)
+            return b.flags.any()
 
         def body() -> Any:
-            out = chain.verify(logits, **kw)
+            # the step's tensors into the bucket's buffers, then the padding
+            copy((1, programs), table[_BODY:], BLOCK=block)
+            copy((len(_COPIED) - 1,), table[_BODY + 3 :], BLOCK=block)
+            real_req, real_row = b.req_iota < n, b.row_iota < m
+            slot0 = s["idx_mapping"][0]
+            s["idx_mapping"].copy_(torch.where(real_req, s["idx_mapping"], slot0))
+            s["seq_lens"].copy_(torch.where(real_req, s["seq_lens"], s["seq_lens"][0]))
+            cu = s["cu_num_logits"]
+            cu.copy_(torch.where(b.cu_iota <= n, cu, b.cu_iota - n + m))
+            s["expanded_idx_mapping"].copy_(torch.where(real_row, s["expanded_idx_mapping"], slot0))
+            for name in ("expanded_local_pos", "pos", "draft_sampled"):
+                s[name].masked_fill_(~real_row, 0)
+            out = chain.verify(b.logits, **kw)
             width = int(out.sampled.shape[1])
             if out.sampled.dim() != 2 or out.sampled.stride(1) != 1:
                 raise RuntimeError(
@@ -296,22 +428,24 @@ class DeviceFallback:
                     f"strides {out.sampled.stride()}; resolve_apply reads rows of unit stride"
                 )
             apply(
-                (st.req_sel.shape[0],), st.table[_COPY_WORDS:], st.req_sel, out.sampled,
-                out.num_sampled, out.num_rejected, width, out.sampled.stride(0),
-                out.num_sampled.stride(0), out.num_rejected.stride(0),
+                (b.reqs,), table[_APPLY:], b.req_iota, out.sampled, out.num_sampled,
+                out.num_rejected, width, out.sampled.stride(0), out.num_sampled.stride(0),
+                out.num_rejected.stride(0),
                 BLOCK_K=max(int(apply.module.CONSTEXPRS["BLOCK_K"]), 1 << (width - 1).bit_length()),
             )  # fmt: skip
+            b.flags.zero_()  # the next step's copy writes num_reqs flags: the rest stay clear
             return out
 
-        if logits.device.type != "cuda":
-            st.graph = _Eager(prologue, body)
+        if b.table.device.type != "cuda":
+            b.graph = _Eager(prologue, body)  # the emulated capture (counted as one)
+            self.stats["captured"] += 1
             return
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            st.graph = IfGraph(prologue, body, logits.device, pool=self._pool)
+            b.graph = IfGraph(prologue, body, b.table.device, pool=self._pool)
         except Exception as e:  # a launch that cannot be captured: this signature reads flags
-            st.failed = True
+            b.failed = True
             self.stats["capture_failed"] += 1
             warnings.warn(
                 f"shardmax: the device fallback's capture failed ({type(e).__name__}: "
@@ -322,5 +456,5 @@ class DeviceFallback:
             )
             return
         mod = chain.modules.topk_topp
-        st.keep = [dict(getattr(mod, name, {})) for name in _WORKSPACES]
+        b.keep = [dict(getattr(mod, name, {})) for name in _WORKSPACES]
         self.stats["captured"] += 1
