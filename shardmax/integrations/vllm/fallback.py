@@ -49,7 +49,9 @@ names a reason, for steps with a synthetic rejection method, for outputs the ker
 tensors it cannot copy as bytes (batch tensors not contiguous, logits whose last stride is not 1)
 and for steps whose bucket would exceed vLLM's chunk (``2**30 / (4 V)`` rows: 1341 at
 V = 200064). At TP > 1
-the chain needs the full logits, which no rank holds: callers use it at TP 1.
+the chain needs the full logits, which no rank holds, and their all-gather cannot run inside the
+conditional node (NCCL's graph-mixing event-wait nodes are refused there at instantiation:
+NVIDIA/nccl#1986, pytorch/pytorch#180960): callers use it at TP 1.
 """
 
 from __future__ import annotations
