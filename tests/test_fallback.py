@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardmax.integrations.vllm.fallback import DeviceFallback, _pow2
+from shardmax.integrations.vllm.fallback import SLOTS, DeviceFallback, _pow2
 from shardmax.ops.sampled import VerifyResult
 from shardmax.testing.traffic import realistic_batch
 from shardmax.testing.vllm_chain import NativeChain, verify_inputs
@@ -111,7 +111,18 @@ def test_device_fallback_emulated(chain: NativeChain) -> None:
     res = _result(want, [3], [3])
     assert fb.run(res, moved, **kw)
     _same(res, want, "moved logits")
-    assert fb.stats["captured"] == 1
+    assert fb.stats["signatures"] == 1 and fb.stats["captured"] == SLOTS, fb.stats
+    # the GPU has fetched none of the signature's tables yet (the host ran SLOTS steps ahead):
+    # the caller reads the flags, nothing is launched
+    bucket = next(iter(fb._buckets.values()))
+    assert all(slot.seq >= 2 for slot in bucket.slots)  # round robin: every table in use
+    for slot in bucket.slots:
+        slot.seq += 1  # a request the GPU has not acknowledged
+    res = _result(want, [3], [3])
+    assert not fb.run(res, b.logits, **kw) and fb.stats["no_free_slot"] == 1
+    assert bool(res.fallback[3]) and int(res.sampled[3, 0]) == 7
+    for slot in bucket.slots:
+        slot.seq -= 1
     # sampling values changed in place (same addresses): vLLM decides otherwise (temperature
     # launches, fp32 copy), so it is another signature -- never the old body
     kw_hot = {**kw, "temperature_np": kw["temperature_np"].copy()}
@@ -163,7 +174,7 @@ def test_device_fallback_buckets(chain: NativeChain) -> None:
         assert fb.run(res, logits, **sub) == (i > 0), (i, fb.stats)
         if i > 0:
             _same(res, want, f"step {i}: {n} requests, flagged {flagged}")
-    assert fb.stats["captured"] == 1, fb.stats
+    assert fb.stats["signatures"] == 1, fb.stats
     # 9 requests: the next bucket (16), first seen: the caller's host read
     logits, sub = _sub_step(b.logits, kw, [(r, 2) for r in range(9)])
     want = chain.verify(logits, **sub)
@@ -179,7 +190,7 @@ def test_device_fallback_buckets(chain: NativeChain) -> None:
         assert fb.run(res, logits, **sub) == (step == 1)
         if step:
             _same(res, want, "logits rows 448 wide")
-    assert fb.stats["captured"] == 3, fb.stats
+    assert fb.stats["signatures"] == 3, fb.stats
 
 
 @pytest.mark.e2e
@@ -266,7 +277,8 @@ def test_gpu_device_fallback(num_reqs: int) -> None:
                 _same(res, want_sub, f"vLLM {chain.version}: {n} of {num_reqs} reqs, {picks}")
                 outs.append([t.clone() for t in res[:3]])
             assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True))
-        assert fb.stats["captured"] == 1, fb.stats
+        assert fb.stats["signatures"] == 1 and fb.stats["captured"] == SLOTS, fb.stats
+        assert fb.stats["no_free_slot"] == 0, fb.stats
         print(f"[device fallback] vLLM {chain.version} {num_reqs} requests: {fb.stats}")
 
 

@@ -8,10 +8,11 @@ next step (issue 19 measured 7.8-12.7 % fewer tokens/s than vLLM's own chain at 
 read alone, with nothing flagged).
 
 :class:`DeviceFallback` makes the decision on the device instead. Per step signature it captures
-one :class:`~shardmax.runtime.conditional.IfGraph`:
+:data:`SLOTS` :class:`~shardmax.runtime.conditional.IfGraph` s, one per argument table:
 
-* prologue: ``table_copy`` brings the step's ``fallback`` flags into a static buffer (their
-  address travels in the argument table), ``any`` of them is the predicate;
+* prologue: ``table_fetch`` brings the slot's page-locked argument table to the device (and
+  acknowledges it), ``table_copy`` the step's ``fallback`` flags into a static buffer (their
+  address travels in the table), ``any`` of them is the predicate;
 * body (only when a request is flagged): vLLM's chain on the whole step
   (:meth:`~shardmax.integrations.vllm.chain.NativeChain.verify`, the kernels vLLM itself runs on
   these logits), then ``resolve_apply`` writes its answers for every request into the step's
@@ -19,7 +20,12 @@ one :class:`~shardmax.runtime.conditional.IfGraph`:
 
 So every request ends with vLLM's answer -- shardmax's where nothing was flagged (identical by
 construction, the parity tests' claim), vLLM's own where something was -- and a step's host work
-is one small host->device copy of the table and one graph launch, whatever the flags say.
+is writing ~30 int64 into a page-locked table the GPU reads in place and one graph launch,
+whatever the flags say: no copy call (``torch`` 's pinned staging and ``cudaMemcpyAsync`` cost
+~10-15 us of host time on the H200's host). As in :mod:`shardmax.runtime.graphs`, a table is
+rewritten only once the GPU has acknowledged its last step; a step that finds none of its
+signature's tables acknowledged (the host ran :data:`SLOTS` steps ahead) returns False, and the
+caller reads the flags.
 
 **Signatures are buckets, not addresses.** vLLM allocates a step's logits and batch tensors
 anew (and its batch grows and shrinks as requests come and go), so the body never reads them
@@ -76,12 +82,16 @@ from shardmax.integrations.vllm.resolution import (
 from shardmax.ops.sampled import VerifyResult
 from shardmax.runtime import kernels
 from shardmax.runtime.conditional import IfGraph, unavailable
-from shardmax.runtime.host import stage_into
+from shardmax.runtime.graphs import _UNFETCHED, _release_fetched
 
-__all__ = ["MAX_GRAPHS", "DeviceFallback"]
+__all__ = ["MAX_GRAPHS", "SLOTS", "DeviceFallback"]
 
 MAX_GRAPHS = 16
 """Captured step signatures kept per fallback (least recently used out)."""
+SLOTS = 3
+"""Page-locked argument tables per signature, each with its own graph (captured on first use):
+a step takes one whose last step the GPU has fetched, so the host may run up to ``SLOTS``
+steps ahead of the GPU (vLLM's asynchronous scheduling: two)."""
 _VERIFY_ARGS = frozenset(inspect.signature(NativeChain.verify).parameters) - {"self", "logits"}
 """The step arguments :meth:`NativeChain.verify` takes."""
 _ROWS = ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos")
@@ -107,19 +117,48 @@ def _pow2(x: int) -> int:
 
 
 class _Eager:
-    """:class:`IfGraph`'s contract off CUDA (tests): the prologue, a host read, the body."""
+    """:class:`IfGraph`'s contract off CUDA (tests): made, each callable runs once (the
+    captures' warm-up); launched, the prologue, a host read of its predicate, the body."""
 
     def __init__(self, prologue: Any, body: Any) -> None:
         self.prologue, self.body = prologue, body
+        prologue()
+        body()
 
     def launch(self) -> None:
         if bool(self.prologue().item()):
             self.body()
 
 
+class _Slot:
+    """One page-locked argument table of a signature and the graph that fetches it."""
+
+    def __init__(self, words: np.ndarray, device: torch.device) -> None:
+        n = len(words)
+        self.buf = torch.empty(n + 2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.host = self.buf.numpy()  # entries, request, acknowledgement
+        self.host[:n] = words
+        self.host[n:] = (0, 0)  # nothing queued: free
+        self.seq = 0
+        self.graph: Any = None
+
+    def free(self) -> bool:
+        """The GPU has fetched this table for its last step (or it was never launched)."""
+        return bool(self.host[-1] == self.seq)
+
+    def __del__(self) -> None:
+        # a fetch still queued reads this table and writes its acknowledgement into it: keep the
+        # page-locked memory until then (graphs._UNFETCHED)
+        try:
+            if self.host[-1] != self.seq:
+                _UNFETCHED.append((self.buf, self.host, len(self.host) - 1, self.seq))
+        except Exception:  # interpreter shutdown
+            pass
+
+
 class _Bucket:
-    """One signature's static buffers, its table (and the host words written into it each step)
-    and its graph."""
+    """One signature's static buffers, its device table and its slots (page-locked host tables,
+    each with its graph)."""
 
     def __init__(
         self, reqs: int, rows: int, logits: torch.Tensor, dtypes: dict[str, torch.dtype]
@@ -137,14 +176,25 @@ class _Bucket:
         self.cu_iota = torch.arange(reqs + 1, dtype=torch.int64, device=dev)
         self.flags = torch.zeros(reqs, dtype=torch.bool, device=dev)
         self.table = torch.zeros(_WORDS, dtype=torch.int64, device=dev)
-        self.words = np.zeros(_WORDS, dtype=np.int64)
-        self.words[_FLAGS + 1] = self.flags.data_ptr()
+        words = np.zeros(_WORDS, dtype=np.int64)  # the static addresses, in every slot
+        words[_FLAGS + 1] = self.flags.data_ptr()
         dst = {"logits": logits, **self.static}
         for i, name in enumerate(_COPIED):
-            self.words[_BODY + 3 * i + 1] = dst[name].data_ptr()
-        self.graph: Any = None
+            words[_BODY + 3 * i + 1] = dst[name].data_ptr()
+        _release_fetched()
+        self.slots = [_Slot(words, dev) for _ in range(SLOTS)]
+        self.next = 0
         self.keep: list[Any] = []
         self.failed = False
+
+    def slot(self) -> _Slot | None:
+        """The next free slot (round robin), or None when the GPU has fetched none of them."""
+        for i in range(SLOTS):
+            s = self.slots[(self.next + i) % SLOTS]
+            if s.free():
+                self.next = (self.next + i + 1) % SLOTS
+                return s
+        return None
 
 
 class DeviceFallback:
@@ -174,10 +224,13 @@ class DeviceFallback:
         self._lock = threading.Lock()
         self._why: dict[torch.device, str | None] = {}
         self._gates_memo: dict[tuple[Any, ...], Any] = {}
-        self.stats = {"launched": 0, "host_read": 0, "captured": 0, "capture_failed": 0}
+        self.stats = {"launched": 0, "host_read": 0, "no_free_slot": 0, "signatures": 0,
+                      "captured": 0, "capture_failed": 0}  # fmt: skip
         """Steps launched on the device; steps returned to the caller's host read (new or
-        unsupported signatures); graphs captured; captures that failed (their signature then
-        reads the flags on the host)."""
+        unsupported signatures, failed captures); steps returned to it because the GPU had not
+        yet fetched any of their signature's :data:`SLOTS` tables (the host ran that far ahead);
+        signatures given buffers (captured or being captured); graphs captured (one per slot used); captures that failed (their signature then reads
+        the flags on the host)."""
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why no step on ``device`` can run here (None: steps can)."""
@@ -254,17 +307,24 @@ class DeviceFallback:
                 if len(self._buckets) >= MAX_GRAPHS:
                     self._buckets.popitem(last=False)
                 b = self._buckets[key] = self._bucket(key, logits, tensors)
+                self.stats["signatures"] += 1
             self._buckets.move_to_end(key)
             if b.failed:
                 self.stats["host_read"] += 1
                 return False
-            stage_into(b.table, self._words(b, result, tensors, num_reqs))
-            if b.graph is None:
-                self._capture(b, step, num_reqs)
-                if b.graph is None:
-                    self.stats["host_read"] += 1
-                    return False
-            b.graph.launch()
+            slot = b.slot()
+            if slot is None:  # the GPU has not fetched any of its tables yet
+                self.stats["no_free_slot"] += 1
+                return False
+            if slot.graph is None:  # every slot at once: later steps never capture (a sync)
+                for each in b.slots:
+                    self._write(each, result, tensors, num_reqs)
+                    self._capture(b, each, step, num_reqs)
+                    if b.failed:
+                        self.stats["host_read"] += 1
+                        return False
+            self._write(slot, result, tensors, num_reqs)
+            slot.graph.launch()
             self.stats["launched"] += 1
             return True
 
@@ -353,33 +413,37 @@ class DeviceFallback:
         return _Bucket(reqs, rows, shared[:rows, :vocab], dtypes)
 
     @staticmethod
-    def _words(
-        b: _Bucket, result: VerifyResult, tensors: dict[str, torch.Tensor], num_reqs: int
-    ) -> np.ndarray:
-        """The step's table: its flags, outputs, rows and the body's copy entries."""
-        w = b.words
+    def _write(
+        slot: _Slot, result: VerifyResult, tensors: dict[str, torch.Tensor], num_reqs: int
+    ) -> None:
+        """The step's table into a free slot's page-locked buffer (its flags, outputs, rows and
+        the body's copy entries), then its request number."""
+        w = slot.host
         logits = tensors["logits"]
         num_logits = int(logits.shape[0])
+        span = (num_logits - 1) * int(logits.stride(0)) + int(logits.shape[1]) if num_logits else 0
+        ts = [tensors[name] for name in _COPIED]
         w[_FLAGS] = result.fallback.data_ptr()
         w[_FLAGS + 2] = num_reqs
-        w[_APPLY] = num_reqs
-        w[_APPLY + 1 : _APPLY + APPLY_WORDS] = (
-            result.sampled.data_ptr(), result.num_sampled.data_ptr(),
+        w[_APPLY : _NUM_LOGITS + 1] = (
+            num_reqs, result.sampled.data_ptr(), result.num_sampled.data_ptr(),
             result.num_rejected.data_ptr(), result.fallback.data_ptr(), result.reason.data_ptr(),
+            num_logits,
         )  # fmt: skip
-        w[_NUM_LOGITS] = num_logits
-        span = (num_logits - 1) * int(logits.stride(0)) + int(logits.shape[1]) if num_logits else 0
-        for i, name in enumerate(_COPIED):
-            t = tensors[name]
-            w[_BODY + 3 * i] = t.data_ptr()
-            w[_BODY + 3 * i + 2] = (span if name == "logits" else t.numel()) * t.element_size()
-        return w
+        w[_BODY:_WORDS:3] = [t.data_ptr() for t in ts]
+        w[_BODY + 2 : _WORDS : 3] = [span * ts[0].element_size()] + [
+            t.numel() * t.element_size() for t in ts[1:]
+        ]
+        slot.seq += 1
+        w[_WORDS] = slot.seq
 
     # ---- capture -------------------------------------------------------------------------------
 
-    def _capture(self, b: _Bucket, step: dict[str, Any], num_reqs: int) -> None:
-        """Build the signature's graph (or its eager stand-in), the table already uploaded."""
+    def _capture(self, b: _Bucket, slot: _Slot, step: dict[str, Any], num_reqs: int) -> None:
+        """Build a slot's graph (or its eager stand-in), the step's table already in the slot
+        (the capture's warm-up runs the step once: the same answers, the flags then clear)."""
         copy = kernels.kernel("table_copy")
+        fetch = kernels.kernel("table_fetch")
         apply = kernels.kernel("resolve_apply")
         chain = self.chain
         s = b.static
@@ -406,6 +470,8 @@ class DeviceFallback:
         )
 
         def prologue() -> torch.Tensor:
+            # the slot's page-locked table into the device table (acknowledged), then the flags
+            fetch((1,), table, slot.buf, _WORDS, BLOCK=fetch.module.BLOCK)
             copy((1,), table[_FLAGS:], BLOCK=block)
             return b.flags.any()
 
@@ -439,13 +505,13 @@ class DeviceFallback:
             return out
 
         if b.table.device.type != "cuda":
-            b.graph = _Eager(prologue, body)  # the emulated capture (counted as one)
+            slot.graph = _Eager(prologue, body)  # the emulated capture (counted as one)
             self.stats["captured"] += 1
             return
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            b.graph = IfGraph(prologue, body, b.table.device, pool=self._pool)
+            slot.graph = IfGraph(prologue, body, b.table.device, pool=self._pool)
         except Exception as e:  # a launch that cannot be captured: this signature reads flags
             b.failed = True
             self.stats["capture_failed"] += 1
@@ -458,5 +524,5 @@ class DeviceFallback:
             )
             return
         mod = chain.modules.topk_topp
-        b.keep = [dict(getattr(mod, name, {})) for name in _WORKSPACES]
+        b.keep.append([dict(getattr(mod, name, {})) for name in _WORKSPACES])
         self.stats["captured"] += 1
