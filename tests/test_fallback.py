@@ -111,6 +111,15 @@ def test_device_fallback_emulated(chain: NativeChain) -> None:
     res = _result(want, [3], [3])
     assert fb.run(res, moved, **kw)
     _same(res, want, "moved logits")
+    # vLLM's per-slot state elsewhere (vLLM double-buffers it: its address alternates), here
+    # with other seeds: the same signature, read where it is now
+    kw_moved = {**kw, **{n: kw[n].clone() for n in ("temperature_gpu", "prefill_len")}}
+    kw_moved["seed_gpu"] = kw["seed_gpu"] * 3 + 1
+    want_moved = chain.verify(b.logits, **kw_moved)
+    assert not torch.equal(want_moved[0], want[0])  # the seeds matter
+    res = _result(want_moved, [0, 1, 2, 3, 4], [0, 1, 2, 3, 4])
+    assert fb.run(res, b.logits, **kw_moved)
+    _same(res, want_moved, "per-slot state moved, other seeds")
     assert fb.stats["signatures"] == 1 and fb.stats["captured"] == SLOTS, fb.stats
     # the GPU has fetched none of the signature's tables yet (the host ran SLOTS steps ahead):
     # the caller reads the flags, nothing is launched

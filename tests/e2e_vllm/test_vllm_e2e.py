@@ -62,13 +62,23 @@ _SCRUB = (
 )
 
 
-def _run(tmp: str, name: str, model_dir: str, shardmax_on: bool) -> dict:
+def _run(
+    tmp: str,
+    name: str,
+    model_dir: str,
+    shardmax_on: bool,
+    tp: int = 2,
+    extra_env: dict[str, str] | None = None,
+    scenarios: str = "greedy,mixed",
+) -> dict:
     out = os.path.join(tmp, f"{name}.json")
     log = os.path.join(tmp, f"{name}.log")
     stats_dir = os.path.join(tmp, f"stats-{name}")
     env = {k: v for k, v in os.environ.items() if k not in _SCRUB}
     if shardmax_on:
-        env.update({"SHARDMAX_VLLM": "1", "SHARDMAX_VLLM_STATS_DIR": stats_dir})
+        env.update(
+            {"SHARDMAX_VLLM": "1", "SHARDMAX_VLLM_STATS_DIR": stats_dir, **(extra_env or {})}
+        )
     cmd = [
         VPY,
         os.path.join(HERE, "run_engine.py"),
@@ -77,9 +87,11 @@ def _run(tmp: str, name: str, model_dir: str, shardmax_on: bool) -> dict:
         "--out",
         out,
         "--scenarios",
-        "greedy,mixed",
+        scenarios,
         "--max-tokens",
         MAX_TOKENS,
+        "--tp",
+        str(tp),
     ]
     t0 = time.time()
     with open(log, "w") as f:
@@ -128,6 +140,32 @@ def runs(tmp_path_factory):
     )
     off = _run(tmp, "plugin_off", model_dir, shardmax_on=False)
     on = _run(tmp, "plugin_on", model_dir, shardmax_on=True)
+    return off, on
+
+
+@pytest.fixture(scope="module")
+def runs_tp1(tmp_path_factory):
+    """The mixed scenario at TP 1, plain and with the plug-in sharding sampled steps at TP 1
+    (``SHARDMAX_VLLM_SAMPLED=1``, fast mode) and the device fallback emulated
+    (``SHARDMAX_VLLM_DEVICE_FALLBACK=emulate``: its tables, static buffers and vLLM's chain run
+    eagerly, the predicate read on the host) -- vLLM's own tensors, allocated per step, on a
+    batch that shrinks as requests finish."""
+    if not os.path.exists(VPY):
+        pytest.fail(f"SHARDMAX_E2E=1 but no e2e venv at {VENV}: run tests/e2e_vllm/setup_env.sh")
+    tmp = str(tmp_path_factory.mktemp("vllm_e2e_tp1"))
+    model_dir = os.path.join(tmp, "model")
+    subprocess.run(
+        [VPY, os.path.join(HERE, "make_model.py"), model_dir, "--layer2-std", LAYER2_STD],
+        check=True,
+        capture_output=True,
+    )
+    env = {
+        "SHARDMAX_VLLM_SAMPLED": "1",
+        "SHARDMAX_VLLM_SAMPLED_MODE": "fast",
+        "SHARDMAX_VLLM_DEVICE_FALLBACK": "emulate",
+    }
+    off = _run(tmp, "tp1_off", model_dir, shardmax_on=False, tp=1, scenarios="mixed")
+    on = _run(tmp, "tp1_on", model_dir, shardmax_on=True, tp=1, extra_env=env, scenarios="mixed")
     return off, on
 
 
@@ -217,6 +255,34 @@ def test_mixed_batch_sampled_steps_run_sharded(runs):
         assert s["sharded_sampled_verify_strict"] == s["sharded_sampled_verify"], (rank, s)
         assert not any("LSE_MARGIN" in r for r in reasons), (rank, reasons)
         assert not any(r.startswith("temperature") for r in reasons), (rank, reasons)
+
+
+def test_tp1_device_fallback_in_the_engine(runs_tp1):
+    """At TP 1 with the device fallback (emulated): the outputs equal plain vLLM's, and the
+    fallback's signatures are buckets -- vLLM allocates the logits and batch tensors per step and
+    alternates its per-slot buffers, the batch shrinks from 6 requests to 4 (bucket 8, then 4
+    ...) --, so after one host read per new signature every sampled step is decided on the
+    device."""
+    off, on = runs_tp1
+    a, b = off["scenarios"]["mixed"], on["scenarios"]["mixed"]
+    assert a["token_ids"] == b["token_ids"]
+    assert (a["accepted"], a["drafted"]) == (b["accepted"], b["drafted"])
+    by_rank = _worker_stats(on)
+    assert sorted(by_rank) == [0], on["stats"]
+    s = by_rank[0]
+    print(
+        f"[e2e] TP 1: sharded_sampled_verify={s['sharded_sampled_verify']} "
+        f"device_fallback_steps={s['device_fallback_steps']} "
+        f"host_reads={s['device_fallback_host_reads']} "
+        f"signatures={s['device_fallback_signatures']} resolved={s['resolved_requests']}"
+    )
+    assert s["sharded_sampled_verify"] > 0, s
+    assert (
+        s["device_fallback_steps"] + s["device_fallback_host_reads"] == s["sharded_sampled_verify"]
+    ), s
+    # one host read per signature (capture_after = 2), a signature per bucket of requests
+    assert s["device_fallback_host_reads"] == s["device_fallback_signatures"] <= 3, s
+    assert s["device_fallback_steps"] > s["device_fallback_host_reads"], s
 
 
 def test_mixed_batch_sampled_requests_generated(runs):

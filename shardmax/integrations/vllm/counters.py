@@ -31,6 +31,7 @@ __all__ = [
     "bump",
     "dump_stats",
     "fallback",
+    "gauge",
     "normalize_reason",
     "note_rank",
     "reset_stats",
@@ -62,6 +63,9 @@ COUNTER_KEYS = (
     "nucleus_candidate_steps",
     "native_verify",
     "plain_sample",
+    "device_fallback_steps",
+    "device_fallback_host_reads",
+    "device_fallback_signatures",
 )
 
 _lock = threading.Lock()
@@ -118,6 +122,10 @@ def stats() -> dict[str, Any]:
     steps where flagged requests were resolved per request from their gathered rows, and how many
     requests / logits rows; ``resolved_reasons``: ``{FallbackReason name: requests}``),
     ``native_verify`` (verification steps handed to vLLM by the gate),
+    ``device_fallback_steps`` / ``device_fallback_host_reads`` (TP-1 sampled steps whose flags
+    the device fallback decided on the device / returned to the host read: a signature not
+    captured yet, or unsupported), ``device_fallback_signatures`` (its step signatures so far;
+    :mod:`shardmax.integrations.vllm.fallback`),
     ``plain_sample`` (``sample`` calls without drafts, always vLLM's plain sampler),
     ``fallbacks`` (``{reason: count}`` over both hooks); ``warmup``: the same counters for vLLM's
     warm-up steps (module docstring); ``installed``; ``disabled`` (why ``install()`` left vLLM
@@ -148,6 +156,13 @@ def bump(key: str, reason: str | None = None) -> None:
         if reason is not None:
             fb = d["fallbacks"]
             fb[reason] = fb.get(reason, 0) + 1
+    dump_stats()
+
+
+def gauge(key: str, value: int) -> None:
+    """Set counter ``key`` of the current phase to ``value`` (a level, not a count of calls)."""
+    with _lock:
+        (_warmup if _state["warmup"] else _serve)[key] = int(value)
     dump_stats()
 
 

@@ -39,8 +39,9 @@ kernels their rows from ``cu_num_logits``). vLLM's chain then runs on the ``N`` 
 per-row and per-request work is independent, so the real requests get the answers vLLM gives on
 the step itself; tested ``==`` on steps of every size of a bucket) and ``resolve_apply`` writes
 the first ``num_reqs`` answers. A step's signature is then its bucket, K, the vocabulary, the
-dtypes and logits row stride, the addresses of vLLM's persistent per-slot state (``_PERSISTENT``:
-temperatures, seeds, top-k / top-p / min-p, prefill lengths) and the chain's host decisions
+dtypes and logits row stride, which of vLLM's per-slot tensors the step has (``_PERSISTENT``:
+temperatures, seeds, top-k / top-p / min-p, prefill lengths; copied whole too: vLLM
+double-buffers them, their address alternates from step to step) and the chain's host decisions
 (vLLM's gates, which read the requests' slots: a padding request repeats a real one's, so the
 gates are the step's). Steps with top-p rows run at their exact size (vLLM picks its top-p
 pipeline by the row count). A signature runs the host-read path (the caller's) until it repeats
@@ -98,8 +99,9 @@ _ROWS = ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos")
 """The step's ``[num_logits]`` tensors, copied into the bucket's static buffers."""
 _REQS = ("idx_mapping", "seq_lens")
 """The step's ``[num_reqs]`` tensors, copied likewise (and ``cu_num_logits``, ``[num_reqs + 1]``)."""
-_COPIED = ("logits", *_ROWS, "cu_num_logits", *_REQS)
-"""The body's copy entries, in table order."""
+_COPIED = ("logits", *_ROWS, "cu_num_logits", *_REQS, *_PERSISTENT)
+"""The body's copy entries, in table order (vLLM's per-slot tensors last; an absent one copies
+nothing)."""
 # the step's table (int64 words): the prologue's copy entry (fallback flags -> static flags),
 # resolve_apply's words (num_reqs, then the five output addresses), the step's rows, then the
 # body's copy entries [source, destination, bytes] in _COPIED order
@@ -161,15 +163,18 @@ class _Bucket:
     each with its graph)."""
 
     def __init__(
-        self, reqs: int, rows: int, logits: torch.Tensor, dtypes: dict[str, torch.dtype]
+        self, reqs: int, rows: int, logits: torch.Tensor, tensors: dict[str, torch.Tensor]
     ) -> None:
         dev = logits.device
         self.reqs, self.rows = reqs, rows
         self.logits = logits  # [rows, V] view of the shared static logits (its row stride)
+        dtype = {name: t.dtype for name, t in tensors.items()}
         self.static = {
-            **{name: torch.zeros(rows, dtype=dtypes[name], device=dev) for name in _ROWS},
-            **{name: torch.zeros(reqs, dtype=dtypes[name], device=dev) for name in _REQS},
-            "cu_num_logits": torch.zeros(reqs + 1, dtype=dtypes["cu_num_logits"], device=dev),
+            **{name: torch.zeros(rows, dtype=dtype[name], device=dev) for name in _ROWS},
+            **{name: torch.zeros(reqs, dtype=dtype[name], device=dev) for name in _REQS},
+            "cu_num_logits": torch.zeros(reqs + 1, dtype=dtype["cu_num_logits"], device=dev),
+            # vLLM's per-slot state, whole (double-buffered by vLLM: its address alternates)
+            **{name: torch.zeros_like(tensors[name]) for name in _PERSISTENT if name in tensors},
         }
         self.req_iota = torch.arange(reqs, dtype=torch.int64, device=dev)
         self.row_iota = torch.arange(rows, dtype=torch.int64, device=dev)
@@ -180,7 +185,7 @@ class _Bucket:
         words[_FLAGS + 1] = self.flags.data_ptr()
         dst = {"logits": logits, **self.static}
         for i, name in enumerate(_COPIED):
-            words[_BODY + 3 * i + 1] = dst[name].data_ptr()
+            words[_BODY + 3 * i + 1] = dst[name].data_ptr() if name in dst else 0
         _release_fetched()
         self.slots = [_Slot(words, dev) for _ in range(SLOTS)]
         self.next = 0
@@ -281,8 +286,9 @@ class DeviceFallback:
             return True  # nothing to flag
         outs = (result.sampled, result.num_sampled, result.num_rejected, result.fallback,
                 result.reason)  # fmt: skip
-        tensors = {"logits": logits, **{name: step[name] for name in _ROWS + _REQS},
-                   "cu_num_logits": step["cu_num_logits"]}  # fmt: skip
+        tensors = {"logits": logits, "cu_num_logits": step["cu_num_logits"],
+                   **{name: step[name] for name in _ROWS + _REQS},
+                   **{name: t for name in _PERSISTENT if (t := step.get(name)) is not None}}  # fmt: skip
         key = None
         if step.get("synthetic_conditional_rates") is None and all(
             t.dtype == d and t.device == device and t.is_contiguous()
@@ -376,13 +382,10 @@ class DeviceFallback:
             gates = self._gates(slots, state, vocab, rows)
         if num_logits + reqs - num_reqs > rows or rows > limit:
             return None
-        persistent = tuple(
-            (name, t.data_ptr(), t.dtype, tuple(t.shape))
-            for name in _PERSISTENT
-            if (t := step.get(name)) is not None
-        )
         return (reqs, rows, k, vocab, logits.dtype, max(int(logits.stride(0)), vocab),
-                tuple(tensors[name].dtype for name in _COPIED[1:]), persistent, gates,
+                tuple((name, t.dtype, t.shape[0]) for name, t in tensors.items() if name in
+                      _PERSISTENT) + tuple(tensors[name].dtype for name in _ROWS + _REQS),
+                tensors["cu_num_logits"].dtype, gates,
                 bool(step.get("use_fp64_gumbel", False)))  # fmt: skip
 
     def _gates(self, slots: np.ndarray, state: Any, vocab: int, rows: int) -> Any:
@@ -409,8 +412,7 @@ class DeviceFallback:
         if shared is None or shared.shape[0] < rows:
             shared = torch.zeros((rows, width), dtype=dtype, device=logits.device)
             self._logits[shared_key] = shared  # buckets made before keep theirs
-        dtypes = {name: t.dtype for name, t in tensors.items()}
-        return _Bucket(reqs, rows, shared[:rows, :vocab], dtypes)
+        return _Bucket(reqs, rows, shared[:rows, :vocab], tensors)
 
     @staticmethod
     def _write(
@@ -422,7 +424,7 @@ class DeviceFallback:
         logits = tensors["logits"]
         num_logits = int(logits.shape[0])
         span = (num_logits - 1) * int(logits.stride(0)) + int(logits.shape[1]) if num_logits else 0
-        ts = [tensors[name] for name in _COPIED]
+        ts = [tensors.get(name) for name in _COPIED]
         w[_FLAGS] = result.fallback.data_ptr()
         w[_FLAGS + 2] = num_reqs
         w[_APPLY : _NUM_LOGITS + 1] = (
@@ -430,9 +432,9 @@ class DeviceFallback:
             result.num_rejected.data_ptr(), result.fallback.data_ptr(), result.reason.data_ptr(),
             num_logits,
         )  # fmt: skip
-        w[_BODY:_WORDS:3] = [t.data_ptr() for t in ts]
-        w[_BODY + 2 : _WORDS : 3] = [span * ts[0].element_size()] + [
-            t.numel() * t.element_size() for t in ts[1:]
+        w[_BODY:_WORDS:3] = [t.data_ptr() if t is not None else 0 for t in ts]
+        w[_BODY + 2 : _WORDS : 3] = [span * logits.element_size()] + [
+            t.numel() * t.element_size() if t is not None else 0 for t in ts[1:]
         ]
         slot.seq += 1
         w[_WORDS] = slot.seq
@@ -459,7 +461,7 @@ class DeviceFallback:
         kw: dict[str, Any] = {
             k: v.copy() if isinstance(v, np.ndarray) else v
             for k, v in step.items()
-            if k not in _ROWS + _REQS + ("cu_num_logits",)
+            if k not in _COPIED
         }
         kw.update(s, idx_mapping_np=idx_np, cu_num_logits_np=cu_np, checks=False)
         table = b.table

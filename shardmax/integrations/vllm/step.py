@@ -557,18 +557,23 @@ def device_fallback(device: torch.device) -> Any:
     ``$SHARDMAX_VLLM_GRAPHS=0``, or conditional graphs unavailable here (the reason logged once).
     Made once per process; only TP 1 calls it (the chain needs the full logits). Opt-in with
     ``$SHARDMAX_VLLM_DEVICE_FALLBACK=1`` until the engine loop has measured it on the H200 (its
-    GPU tests pass there)."""
-    if os.environ.get(ENV_DEVICE_FALLBACK, "0").strip().lower() not in ("1", "true", "on", "yes"):
+    GPU tests pass there). ``emulate`` (tests, CPU engines): the same tables and kernels run
+    eagerly, the predicate read on the host (a sync, so no speed to gain), so that a CPU engine
+    exercises the fallback's signatures and answers."""
+    flag = os.environ.get(ENV_DEVICE_FALLBACK, "0").strip().lower()
+    emulate = flag == "emulate"
+    if flag not in ("1", "true", "on", "yes") and not emulate:
         return None
     chain = resolver()
-    if chain is None or device.type != "cuda":
+    if chain is None or (device.type != "cuda" and not emulate):
         return None
     if os.environ.get(ENV_GRAPHS, "auto").strip().lower() in _OFF:
         return None
     if not _FALLBACK:
         from shardmax.integrations.vllm.fallback import DeviceFallback
 
-        fb = DeviceFallback(getattr(chain, "chain", chain))  # a CapturedResolution's chain
+        # a CapturedResolution's chain
+        fb = DeviceFallback(getattr(chain, "chain", chain), emulate=emulate)
         why = fb.unavailable(device)
         if why is not None:
             counters.warn_once("device_fallback", "shardmax: flags read on the host (%s)", why)
@@ -700,8 +705,10 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     if fallback is not None and topp is None and not nucleus:
         vocab = int(st.vocab_size)
         inputs = chain_inputs(runner, input_batch, draft_sampled, pos, prefill_len)
-        if fallback.run(res, local_logits[:, :vocab], **inputs):  # decided on the device
-            counters.bump("device_fallback_steps")
+        launched = fallback.run(res, local_logits[:, :vocab], **inputs)
+        counters.bump("device_fallback_steps" if launched else "device_fallback_host_reads")
+        counters.gauge("device_fallback_signatures", fallback.stats["signatures"])
+        if launched:  # decided on the device
             out = sampler_output(res.sampled, res.num_sampled, res.num_rejected)
             return SampledResult(mode, (out, res.num_sampled, res.num_rejected), None, 0)
     req, codes = flagged_requests(res)
