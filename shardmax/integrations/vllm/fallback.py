@@ -46,8 +46,11 @@ double-buffers them, their address alternates from step to step) and the chain's
 gates are the step's). Steps with top-p rows run at their exact size (vLLM picks its top-p
 pipeline by the row count). A signature runs the host-read path (the caller's) until it repeats
 ``capture_after`` times, then is captured (at most :data:`MAX_GRAPHS` per fallback, least
-recently used out). The static logits buffer is shared by the signatures of one vocabulary and
-dtype (it grows to the largest bucket; the graphs replay in stream order).
+recently used out). The static logits buffer is shared by the signatures of one vocabulary,
+dtype and row width (the largest a live signature holds; the graphs replay in stream order: one
+fallback serves one CUDA stream). The first launch of a signature captures its graphs; each
+capture runs prologue and body once eagerly (``IfGraph`` 's warm-up) on a table that copies no
+flag and writes no answer, so the step's outputs are untouched by it.
 
 Where it does not apply, :meth:`DeviceFallback.run` returns False and the caller reads the flags
 as before: off CUDA (unless ``emulate``), where :func:`shardmax.runtime.conditional.unavailable`
@@ -103,12 +106,13 @@ _COPIED = ("logits", *_ROWS, "cu_num_logits", *_REQS, *_PERSISTENT)
 """The body's copy entries, in table order (vLLM's per-slot tensors last; an absent one copies
 nothing)."""
 # the step's table (int64 words): the prologue's copy entry (fallback flags -> static flags),
-# resolve_apply's words (num_reqs, then the five output addresses), the step's rows, then the
-# body's copy entries [source, destination, bytes] in _COPIED order
+# resolve_apply's words (num_reqs, then the five output addresses), the step's rows and
+# requests, then the body's copy entries [source, destination, bytes] in _COPIED order
 _FLAGS = 0
 _APPLY = 3
 _NUM_LOGITS = _APPLY + APPLY_WORDS
-_BODY = _NUM_LOGITS + 1
+_NUM_REQS = _NUM_LOGITS + 1  # the padding's (resolve_apply's count is 0 in a capture's table)
+_BODY = _NUM_REQS + 1
 _WORDS = _BODY + 3 * len(_COPIED)
 _COPY_PROGRAMS = 2048
 """The most programs that share the logits' copy (``table_copy``'s second grid axis)."""
@@ -163,11 +167,17 @@ class _Bucket:
     each with its graph)."""
 
     def __init__(
-        self, reqs: int, rows: int, logits: torch.Tensor, tensors: dict[str, torch.Tensor]
+        self,
+        reqs: int,
+        rows: int,
+        logits_base: torch.Tensor,
+        vocab: int,
+        tensors: dict[str, torch.Tensor],
     ) -> None:
-        dev = logits.device
+        dev = logits_base.device
         self.reqs, self.rows = reqs, rows
-        self.logits = logits  # [rows, V] view of the shared static logits (its row stride)
+        self.logits_base = logits_base  # [>= rows, width], shared by the buckets that fit in it
+        logits = self.logits = logits_base[:rows, :vocab]  # what the chain reads
         dtype = {name: t.dtype for name, t in tensors.items()}
         self.static = {
             **{name: torch.zeros(rows, dtype=dtype[name], device=dev) for name in _ROWS},
@@ -224,7 +234,6 @@ class DeviceFallback:
         self.emulate = emulate
         self._buckets: OrderedDict[tuple[Any, ...], _Bucket] = OrderedDict()
         self._seen: OrderedDict[tuple[Any, ...], int] = OrderedDict()
-        self._logits: dict[tuple[Any, ...], torch.Tensor] = {}
         self._pool: Any = None
         self._lock = threading.Lock()
         self._why: dict[torch.device, str | None] = {}
@@ -277,13 +286,14 @@ class DeviceFallback:
             step.get("synthetic_conditional_rates"), step.get("logits_processing", False),
             step.get("num_logprobs"), step.get("watermark_key"),
         )  # fmt: skip
+        num_reqs = int(result.fallback.shape[0])
+        if num_reqs == 0:  # nothing to flag (and nothing vLLM's checks could check)
+            _check_result(result, step)
+            return True
         if step.get("checks", True):
             self.chain._check_logits(logits)
             self._checks(logits, step)
         _check_result(result, step)
-        num_reqs = int(result.fallback.shape[0])
-        if num_reqs == 0:
-            return True  # nothing to flag
         outs = (result.sampled, result.num_sampled, result.num_rejected, result.fallback,
                 result.reason)  # fmt: skip
         tensors = {"logits": logits, "cu_num_logits": step["cu_num_logits"],
@@ -324,7 +334,7 @@ class DeviceFallback:
                 return False
             if slot.graph is None:  # every slot at once: later steps never capture (a sync)
                 for each in b.slots:
-                    self._write(each, result, tensors, num_reqs)
+                    self._write(each, result, tensors, num_reqs, capture=True)
                     self._capture(b, each, step, num_reqs)
                     if b.failed:
                         self.stats["host_read"] += 1
@@ -358,13 +368,14 @@ class DeviceFallback:
     ) -> tuple[Any, ...] | None:
         """The step's signature (module docstring), or None when the body cannot copy its
         tensors or its bucket exceeds vLLM's chunk."""
+        num_logits, vocab = int(logits.shape[0]), int(logits.shape[1])
         if (
             logits.dim() != 2
             or logits.stride(1) != 1
+            or (num_logits > 1 and logits.stride(0) < vocab)  # broadcast or overlapping rows
             or any(not t.is_contiguous() for name, t in tensors.items() if name != "logits")
         ):
             return None
-        num_logits, vocab = int(logits.shape[0]), int(logits.shape[1])
         k = int(step["num_speculative_steps"])
         slots = np.asarray(step["idx_mapping_np"])[:num_reqs]
         state = NativeChain._State(
@@ -382,7 +393,7 @@ class DeviceFallback:
             gates = self._gates(slots, state, vocab, rows)
         if num_logits + reqs - num_reqs > rows or rows > limit:
             return None
-        return (reqs, rows, k, vocab, logits.dtype, max(int(logits.stride(0)), vocab),
+        return (reqs, rows, k, vocab, logits.dtype, max(int(logits.stride(0)), vocab),  # width
                 tuple((name, t.dtype, t.shape[0]) for name, t in tensors.items() if name in
                       _PERSISTENT) + tuple(tensors[name].dtype for name in _ROWS + _REQS),
                 tensors["cu_num_logits"].dtype, gates,
@@ -407,30 +418,45 @@ class DeviceFallback:
         """A signature's static buffers; its logits a view of the shared buffer of its
         vocabulary, dtype and row stride (grown, never shrunk, to the largest bucket)."""
         reqs, rows, _, vocab, dtype, width = key[:6]
-        shared_key = (logits.device, vocab, dtype, width)
-        shared = self._logits.get(shared_key)
+        # the largest buffer a live bucket of this vocabulary, dtype and width holds (evicted
+        # buckets free theirs; a larger bucket gets a new one, the older ones keep theirs)
+        shared = max(
+            (
+                b.logits_base
+                for k, b in self._buckets.items()
+                if k[3:6] == key[3:6] and b.logits_base.device == logits.device
+            ),
+            key=lambda t: t.shape[0],
+            default=None,
+        )
         if shared is None or shared.shape[0] < rows:
             shared = torch.zeros((rows, width), dtype=dtype, device=logits.device)
-            self._logits[shared_key] = shared  # buckets made before keep theirs
-        return _Bucket(reqs, rows, shared[:rows, :vocab], tensors)
+        return _Bucket(reqs, rows, shared, vocab, tensors)
 
     @staticmethod
     def _write(
-        slot: _Slot, result: VerifyResult, tensors: dict[str, torch.Tensor], num_reqs: int
+        slot: _Slot,
+        result: VerifyResult,
+        tensors: dict[str, torch.Tensor],
+        num_reqs: int,
+        capture: bool = False,
     ) -> None:
         """The step's table into a free slot's page-locked buffer (its flags, outputs, rows and
-        the body's copy entries), then its request number."""
+        the body's copy entries), then its request number. ``capture``: the table of a capture's
+        warm-up, which runs prologue and body once eagerly whatever the flags -- no flag copied,
+        no answer written (the step's outputs untouched)."""
         w = slot.host
         logits = tensors["logits"]
         num_logits = int(logits.shape[0])
         span = (num_logits - 1) * int(logits.stride(0)) + int(logits.shape[1]) if num_logits else 0
         ts = [tensors.get(name) for name in _COPIED]
+        answered = 0 if capture else num_reqs
         w[_FLAGS] = result.fallback.data_ptr()
-        w[_FLAGS + 2] = num_reqs
-        w[_APPLY : _NUM_LOGITS + 1] = (
-            num_reqs, result.sampled.data_ptr(), result.num_sampled.data_ptr(),
+        w[_FLAGS + 2] = answered
+        w[_APPLY : _NUM_REQS + 1] = (
+            answered, result.sampled.data_ptr(), result.num_sampled.data_ptr(),
             result.num_rejected.data_ptr(), result.fallback.data_ptr(), result.reason.data_ptr(),
-            num_logits,
+            num_logits, num_reqs,
         )  # fmt: skip
         w[_BODY:_WORDS:3] = [t.data_ptr() if t is not None else 0 for t in ts]
         w[_BODY + 2 : _WORDS : 3] = [span * logits.element_size()] + [
@@ -465,7 +491,7 @@ class DeviceFallback:
         }
         kw.update(s, idx_mapping_np=idx_np, cu_num_logits_np=cu_np, checks=False)
         table = b.table
-        n, m = table[_APPLY], table[_NUM_LOGITS]
+        n, m = table[_NUM_REQS], table[_NUM_LOGITS]
         block = copy.module.BLOCK
         programs = max(
             1, min(_COPY_PROGRAMS, -(-b.logits.numel() * b.logits.element_size() // (16 * block)))
