@@ -7,8 +7,8 @@
 #   3. pytest: the engine parity test, the kernel parity tests (every version), strict mode vs
 #      vLLM's kernels (every version), vLLM's native chain (tests/test_vllm_chain.py) and the
 #      per-request resolution on it (tests/test_resolve.py), the top-p replay against vLLM's
-#      top-p kernels and chain (tests/test_nucleus_replay.py), every version -- [pytest args...]
-#      go to this run;
+#      top-p kernels and chain (tests/test_nucleus_replay.py), the device fallback emulated on
+#      vLLM's chain (tests/test_fallback.py), every version -- [pytest args...] go to this run;
 #   4. the surface test, once per supported version, each in its own process (installed 0.32,
 #      then 0.33.0's sources).
 #
@@ -36,7 +36,7 @@ export SHARDMAX_E2E=1 SHARDMAX_VLLM_KERNELS="$REPO/.vllm-kernels"
 PYTEST=("$VPY" -m pytest -p no:cacheprovider -m e2e)
 "${PYTEST[@]}" -v -s --ignore="$HERE/test_vllm_surface.py" "$HERE" "$REPO/tests/test_strict_vllm.py" \
   "$REPO/tests/test_vllm_chain.py" "$REPO/tests/test_resolve.py" \
-  "$REPO/tests/test_nucleus_replay.py" "$@"
+  "$REPO/tests/test_nucleus_replay.py" "$REPO/tests/test_fallback.py" "$@"
 for src in installed $SOURCES; do
   [ "$src" = installed ] || src="$REPO/.vllm-src/$src"
   echo "== surface test: vLLM $src"
