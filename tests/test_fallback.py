@@ -297,8 +297,31 @@ def test_gpu_device_fallback(num_reqs: int) -> None:
                 _same(res, want_sub, f"vLLM {chain.version}: {n} of {num_reqs} reqs, {picks}")
                 outs.append([t.clone() for t in res[:3]])
             assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True))
-        assert fb.stats["signatures"] == 1 and fb.stats["captured"] == SLOTS, fb.stats
         assert fb.stats["no_free_slot"] == 0, fb.stats
+        # the host ahead of the GPU (a long kernel queued first): SLOTS steps queue on the
+        # page-locked tables, the next finds none acknowledged and goes back to the caller
+        steps = []
+        for i in range(SLOTS + 1):
+            n = int(gen.integers(low, num_reqs + 1))
+            picks = [(int(r), int(gen.integers(1, 5))) for r in gen.permutation(num_reqs)[:n]]
+            logits, sub = _sub_step(b.logits, kw, picks)
+            flagged = sorted(gen.choice(n, size=1 + i % n, replace=False).tolist())
+            steps.append((logits, sub, chain.verify(logits, **sub), flagged))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+        results = []
+        for logits, sub, want_i, flagged in steps:
+            res = _result(want_i, flagged, flagged)
+            results.append((res, fb.run(res, logits, **{**sub, "checks": False})))
+        assert [ran for _, ran in results] == [True] * SLOTS + [False], fb.stats
+        torch.cuda.synchronize()
+        for (res, ran), (_, _, want_i, flagged) in zip(results, steps, strict=True):
+            if ran:
+                _same(res, want_i, f"vLLM {chain.version}: host ahead, flagged {flagged}")
+            else:  # untouched: the caller reads its flags
+                assert bool(res.fallback[flagged[0]]) and int(res.sampled[flagged[0], 0]) == 7
+        assert fb.stats["no_free_slot"] == 1, fb.stats
+        assert fb.stats["signatures"] == 1 and fb.stats["captured"] == SLOTS, fb.stats
         print(f"[device fallback] vLLM {chain.version} {num_reqs} requests: {fb.stats}")
 
 
