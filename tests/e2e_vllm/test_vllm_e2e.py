@@ -127,17 +127,23 @@ def _run(
     return result
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _model(tmp_path_factory, name: str) -> tuple[str, str]:
+    """A temporary folder and the tiny model pair in it (``make_model.py``)."""
     if not os.path.exists(VPY):
         pytest.fail(f"SHARDMAX_E2E=1 but no e2e venv at {VENV}: run tests/e2e_vllm/setup_env.sh")
-    tmp = str(tmp_path_factory.mktemp("vllm_e2e"))
+    tmp = str(tmp_path_factory.mktemp(name))
     model_dir = os.path.join(tmp, "model")
     subprocess.run(
         [VPY, os.path.join(HERE, "make_model.py"), model_dir, "--layer2-std", LAYER2_STD],
         check=True,
         capture_output=True,
     )
+    return tmp, model_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp, model_dir = _model(tmp_path_factory, "vllm_e2e")
     off = _run(tmp, "plugin_off", model_dir, shardmax_on=False)
     on = _run(tmp, "plugin_on", model_dir, shardmax_on=True)
     return off, on
@@ -150,15 +156,7 @@ def runs_tp1(tmp_path_factory):
     (``SHARDMAX_VLLM_DEVICE_FALLBACK=emulate``: its tables, static buffers and vLLM's chain run
     eagerly, the predicate read on the host) -- vLLM's own tensors, allocated per step, on a
     batch that shrinks as requests finish."""
-    if not os.path.exists(VPY):
-        pytest.fail(f"SHARDMAX_E2E=1 but no e2e venv at {VENV}: run tests/e2e_vllm/setup_env.sh")
-    tmp = str(tmp_path_factory.mktemp("vllm_e2e_tp1"))
-    model_dir = os.path.join(tmp, "model")
-    subprocess.run(
-        [VPY, os.path.join(HERE, "make_model.py"), model_dir, "--layer2-std", LAYER2_STD],
-        check=True,
-        capture_output=True,
-    )
+    tmp, model_dir = _model(tmp_path_factory, "vllm_e2e_tp1")
     env = {
         "SHARDMAX_VLLM_SAMPLED": "1",
         "SHARDMAX_VLLM_SAMPLED_MODE": "fast",
