@@ -76,7 +76,9 @@ def test_gpu_if_graph_runs_the_body_only_when_the_predicate_is_set() -> None:
         return flags.any()  # a reduction kernel writes the predicate on the device
 
     def body() -> torch.Tensor:
-        copy((1,), table, BLOCK=copy.module.BLOCK)  # a Triton kernel reading addresses from a table
+        copy(
+            (1,), table, BLOCK=copy.module.BLOCK, SPREAD=False
+        )  # a Triton kernel reading addresses
         y = x * 2 + 1  # torch ops allocating from the graph's pool
         x.copy_(y)
         return y

@@ -362,7 +362,7 @@ class _Captured:
     def _body(self, copy_out: bool) -> Any:
         copy = kernels.kernel("table_copy")
         if self.n_in:
-            copy((self.n_in,), self.table[1:], BLOCK=copy.module.BLOCK)
+            copy((self.n_in,), self.table[1:], BLOCK=copy.module.BLOCK, SPREAD=False)
         res = self.plan.run(
             self.static_logits if self.static_logits is not None else self.indirect,
             self.static_batch,
@@ -375,7 +375,7 @@ class _Captured:
                 tab = self.table.numpy()
                 for j, t in enumerate(outs):
                     tab[n + 3 * j] = t.data_ptr()
-            copy((len(outs),), self.table[n:], BLOCK=copy.module.BLOCK)
+            copy((len(outs),), self.table[n:], BLOCK=copy.module.BLOCK, SPREAD=False)
         return res
 
     def _fill(

@@ -500,13 +500,13 @@ class DeviceFallback:
         def prologue() -> torch.Tensor:
             # the slot's page-locked table into the device table (acknowledged), then the flags
             fetch((1,), table, slot.buf, _WORDS, BLOCK=fetch.module.BLOCK)
-            copy((1,), table[_FLAGS:], BLOCK=block)
+            copy((1,), table[_FLAGS:], BLOCK=block, SPREAD=False)
             return b.flags.any()
 
         def body() -> Any:
             # the step's tensors into the bucket's buffers, then the padding
-            copy((1, programs), table[_BODY:], BLOCK=block)
-            copy((len(_COPIED) - 1,), table[_BODY + 3 :], BLOCK=block)
+            copy((1, programs), table[_BODY:], BLOCK=block, SPREAD=True)
+            copy((len(_COPIED) - 1,), table[_BODY + 3 :], BLOCK=block, SPREAD=False)
             real_req, real_row = b.req_iota < n, b.row_iota < m
             slot0 = s["idx_mapping"][0]
             s["idx_mapping"].copy_(torch.where(real_req, s["idx_mapping"], slot0))
