@@ -93,9 +93,9 @@ __all__ = ["MAX_GRAPHS", "SLOTS", "DeviceFallback"]
 MAX_GRAPHS = 16
 """Captured step signatures kept per fallback (least recently used out)."""
 SLOTS = 3
-"""Page-locked argument tables per signature, each with its own graph (captured on first use):
-a step takes one whose last step the GPU has fetched, so the host may run up to ``SLOTS``
-steps ahead of the GPU (vLLM's asynchronous scheduling: two)."""
+"""Page-locked argument tables per signature, each with its own graph (all captured together,
+on the signature's first launch): a step takes one whose last step the GPU has fetched, so the
+host may run up to ``SLOTS`` steps ahead of the GPU (vLLM's asynchronous scheduling: two)."""
 _VERIFY_ARGS = frozenset(inspect.signature(NativeChain.verify).parameters) - {"self", "logits"}
 """The step arguments :meth:`NativeChain.verify` takes."""
 _ROWS = ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos")
