@@ -32,7 +32,8 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
      whole step's decisions, at a fixed capacity replayed from CUDA graphs:
      :class:`~shardmax.integrations.vllm.resolution.CapturedResolution`); every request of it is
      cross-checked against ``vllm``;
-   * ``shardmax+device`` (TP 1): the replayed run, then
+   * ``shardmax+device`` (TP 1, temperature traffic: where the plug-in uses it): the replayed
+     run, then
      :class:`~shardmax.integrations.vllm.fallback.DeviceFallback` -- the device decides whether
      a request was flagged and, only then, runs vLLM's chain on the whole step inside a
      conditional CUDA graph (no host read); every request of it is cross-checked against
@@ -557,7 +558,9 @@ def _run(
                     paths["shardmax+resolve"] = _shardmax_step(
                         traffic, mix, prefill, (resolver, kw), rank=me
                     )
-                    if fallback is not None and me is None:
+                    if fallback is not None and me is None and mix == "temperature":
+                        # the plug-in's use: TP-1 steps without top-p (a top-p step flags a
+                        # request on most steps, and would run vLLM's whole chain on them)
                         paths["shardmax+device"] = _shardmax_step(
                             traffic, mix, prefill, (resolver, kw), device=fallback
                         )
