@@ -553,7 +553,7 @@ def device_fallback(device: torch.device) -> Any:
     """The device-decided fallback of TP-1 temperature steps
     (:class:`shardmax.integrations.vllm.fallback.DeviceFallback`: vLLM's chain on the whole step
     inside a conditional CUDA graph, run only when the step flagged a request; no host read of
-    the flags), or None: no resolver (:func:`resolver`), not a CUDA device,
+    the flags), or None: no resolver (:func:`resolver`), not a CUDA device (unless ``emulate``),
     ``$SHARDMAX_VLLM_GRAPHS=0``, or conditional graphs unavailable here (the reason logged once).
     Made once per process; only TP 1 calls it (the chain needs the full logits). Opt-in with
     ``$SHARDMAX_VLLM_DEVICE_FALLBACK=1`` until the engine loop has measured it on the H200 (its
