@@ -132,7 +132,40 @@ def batch_signature(batch: Any) -> tuple[Any, ...]:
     )
 
 
-class _Slot:
+class FetchedTable:
+    """A page-locked host table a graph fetches (``table_fetch``): ``host`` is ``[entries,
+    request, acknowledgement]``; the host rewrites it only once the GPU has fetched it for its
+    last request (:meth:`fetched`), then marks the new one (:meth:`request`). Dropped while a
+    fetch is still queued, its memory is kept (:data:`_UNFETCHED`) until acknowledged."""
+
+    __slots__ = ("_ack", "buf", "host", "seq")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf, self.host = buf, buf.numpy()  # entries, request, acknowledgement
+        self._ack = len(self.host) - 1
+        self.seq = int(self.host[self._ack - 1])  # the last request written
+
+    def fetched(self) -> bool:
+        """Whether the GPU has fetched the table for its last request."""
+        return bool(self.host[self._ack] == self.seq)
+
+    def request(self) -> None:
+        """Marks the table just written as a new request: the fetch acknowledges it."""
+        self.seq += 1
+        self.host[self._ack - 1] = self.seq
+
+    def __del__(self) -> None:
+        # a fetch still queued reads this table and writes its acknowledgement into it: the
+        # buffer must outlive it (module-level _UNFETCHED)
+        try:
+            if self.host[self._ack] != self.seq:
+                _UNFETCHED.append((self.buf, self.host, self._ack, self.seq))
+            _release_fetched()
+        except Exception:  # interpreter shutdown: nothing runs any more
+            pass
+
+
+class _Slot(FetchedTable):
     """Static outputs of one replay (and, on a GPU, the graph that writes them), and the slot's
     own argument table in page-locked host memory that the graph fetches (``table_fetch``) at
     its start.
@@ -147,17 +180,14 @@ class _Slot:
     the GPU has fetched it for the slot's previous step: each step writes its request number,
     the fetch writes it back as the acknowledgement, and until it has, the slot is not free."""
 
-    __slots__ = ("_ack", "_cdata", "_idle", "_ptrs", "_storages", "buf", "graph", "host",
-                 "retired", "seq", "static")  # fmt: skip
+    __slots__ = ("_cdata", "_idle", "_ptrs", "_storages", "graph", "retired", "static")
 
     def __init__(
         self, outputs: list[torch.Tensor], graph: _Segments | None, buf: torch.Tensor
     ) -> None:
         # the static outputs (the graph's, or on the CPU the copy's destinations)
         self.static, self.graph = outputs, graph
-        self.buf, self.host = buf, buf.numpy()  # the slot's table: entries, request, ack
-        self._ack = len(self.host) - 1
-        self.seq = int(self.host[self._ack - 1])  # the last request written
+        super().__init__(buf)  # the slot's table
         # held, not only counted: their Python objects are what a caller's untyped_storage()
         # returns (one per storage), so their reference counts are holders too
         self._storages = [t.untyped_storage() for t in outputs]
@@ -166,16 +196,6 @@ class _Slot:
         self.retired = False
         self._idle = self._holders()  # the slot's own references only
         _release_fetched()
-
-    def __del__(self) -> None:
-        # a fetch still queued reads this table and writes its acknowledgement into it: the
-        # buffer must outlive it (module-level _UNFETCHED)
-        try:
-            if self.host[self._ack] != self.seq:
-                _UNFETCHED.append((self.buf, self.host, self._ack, self.seq))
-            _release_fetched()
-        except Exception:  # interpreter shutdown: nothing runs any more
-            pass
 
     def _holders(self) -> list[int]:
         """References to each storage's Python object, then the storage's use count (every
@@ -191,17 +211,12 @@ class _Slot:
         whose memory moved (a caller's ``resize_`` that had to grow the storage) is retired: its
         graph would write where the memory was (so is a slot whose replay raised, in
         :meth:`_Captured.run`)."""
-        if self.retired or self.host[self._ack] != self.seq:
+        if self.retired or not self.fetched():
             return False
         if [st.data_ptr() for st in self._storages] != self._ptrs:
             self.retired = True
             return False
         return all(map(int.__le__, self._holders(), self._idle))
-
-    def request(self) -> None:
-        """Marks the table just written as this step's: the fetch acknowledges it."""
-        self.seq += 1
-        self.host[self._ack - 1] = self.seq
 
     def take(self) -> list[torch.Tensor]:
         """This step's tensors: new aliases of the static outputs."""

@@ -86,7 +86,7 @@ from shardmax.integrations.vllm.resolution import (
 from shardmax.ops.sampled import VerifyResult
 from shardmax.runtime import kernels
 from shardmax.runtime.conditional import IfGraph, unavailable
-from shardmax.runtime.graphs import _UNFETCHED, _release_fetched
+from shardmax.runtime.graphs import FetchedTable, _release_fetched
 
 __all__ = ["MAX_GRAPHS", "SLOTS", "DeviceFallback"]
 
@@ -136,30 +136,19 @@ class _Eager:
             self.body()
 
 
-class _Slot:
+class _Slot(FetchedTable):
     """One page-locked argument table of a signature and the graph that fetches it."""
+
+    __slots__ = ("graph",)
 
     def __init__(self, words: np.ndarray, device: torch.device) -> None:
         n = len(words)
-        self.buf = torch.empty(n + 2, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.host = self.buf.numpy()  # entries, request, acknowledgement
-        self.host[:n] = words
-        self.host[n:] = (0, 0)  # nothing queued: free
-        self.seq = 0
+        buf = torch.empty(n + 2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        host = buf.numpy()
+        host[:n] = words
+        host[n:] = (0, 0)  # nothing queued: free
+        super().__init__(buf)
         self.graph: Any = None
-
-    def free(self) -> bool:
-        """The GPU has fetched this table for its last step (or it was never launched)."""
-        return bool(self.host[-1] == self.seq)
-
-    def __del__(self) -> None:
-        # a fetch still queued reads this table and writes its acknowledgement into it: keep the
-        # page-locked memory until then (graphs._UNFETCHED)
-        try:
-            if self.host[-1] != self.seq:
-                _UNFETCHED.append((self.buf, self.host, len(self.host) - 1, self.seq))
-        except Exception:  # interpreter shutdown
-            pass
 
 
 class _Bucket:
@@ -206,7 +195,7 @@ class _Bucket:
         """The next free slot (round robin), or None when the GPU has fetched none of them."""
         for i in range(SLOTS):
             s = self.slots[(self.next + i) % SLOTS]
-            if s.free():
+            if s.fetched():
                 self.next = (self.next + i + 1) % SLOTS
                 return s
         return None
@@ -462,8 +451,7 @@ class DeviceFallback:
         w[_BODY + 2 : _WORDS : 3] = [span * logits.element_size()] + [
             t.numel() * t.element_size() if t is not None else 0 for t in ts[1:]
         ]
-        slot.seq += 1
-        w[_WORDS] = slot.seq
+        slot.request()
 
     # ---- capture -------------------------------------------------------------------------------
 
