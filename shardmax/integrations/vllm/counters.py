@@ -160,9 +160,13 @@ def bump(key: str, reason: str | None = None) -> None:
 
 
 def gauge(key: str, value: int) -> None:
-    """Set counter ``key`` of the current phase to ``value`` (a level, not a count of calls)."""
+    """Set counter ``key`` of the current phase to ``value`` (a level, not a count of calls);
+    the stats file is rewritten only when the value changed."""
     with _lock:
-        (_warmup if _state["warmup"] else _serve)[key] = int(value)
+        d = _warmup if _state["warmup"] else _serve
+        if d.get(key) == int(value):
+            return
+        d[key] = int(value)
     dump_stats()
 
 
