@@ -58,8 +58,9 @@
 #   bash scripts/gpu_session.sh Y   one H200: flags and bytes of the histogram path, then stage
 #                                   U's top-p step benchmark
 #   bash scripts/gpu_session.sh DF  one H200: the device-decided fallback's GPU tests (conditional
-#                                   graphs, vLLM's chain inside them, buckets), the graph tests
-#                                   that copy through table_copy, then the engine loop
+#                                   graphs, vLLM's chain inside them, buckets), every graph GPU
+#                                   test (table_copy, the fetched output slots), then the engine
+#                                   loop
 #   bash scripts/gpu_session.sh HP  one H200: the host's elementary costs (the flag read, a graph
 #                                   replay, a launch; PROFILE=1: host profiles of the plug-in's
 #                                   replayed call and of a resolving top-p step)
@@ -751,9 +752,9 @@ DF)
     tests/test_fallback.py >"$OUT/fallback_DF.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E |\[if-graph\]|\[device fallback\]" \
     "$OUT/fallback_DF.log" | tail -14
-  stamp "graph GPU tests that copy through table_copy"
+  stamp "every graph GPU test (table_copy, the fetched output slots)"
   timeout "$(left 330)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_graphs.py \
-    -k "sync or split" >"$OUT/graphs_DF.log" 2>&1
+    >"$OUT/graphs_DF.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/graphs_DF.log" | tail -6
   stamp "engine loop"
   timeout "$(left 585)" python3 -m benchmarks.engine --steps "${DF_STEPS:-100}" \
