@@ -307,6 +307,78 @@ def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> lis
     return out
 
 
+FALLBACK_PARTS = ("shardmax call (no fallback)", "whole call with the device fallback",
+                  "DeviceFallback.run", "conditional graph launch (GPU busy)",
+                  "conditional graph launch (GPU idle)")  # fmt: skip
+
+
+def fallback_parts(forward: Any, rows_list: list[int], vocab: int = 200064,
+                   profile: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+    """Section 5: the engine's ``shardmax+device`` call (temperature traffic, TP 1) by part:
+    the replayed call alone, the call with :class:`DeviceFallback.run` after it, the fallback's
+    run alone and its conditional graph's launch (GPU busy: the host ahead of the GPU as in the
+    engine; idle: nothing queued). ``profile``: a cProfile of 200 runs of the fallback per row
+    count, printed (the 14 costliest functions by own time)."""
+    from benchmarks.engine import _shardmax_step
+    from shardmax.integrations.vllm.fallback import DeviceFallback
+    from shardmax.integrations.vllm.resolution import CapturedResolution
+    from shardmax.testing.traffic import realistic_batch
+    from shardmax.testing.vllm_chain import NativeChain, verify_inputs
+
+    chains = {c.version: c for c in NativeChain.discover()}
+    if not chains:
+        print("section 5 not measured: no vLLM chain (scripts/vllm_sources.sh)", file=sys.stderr)
+        return []
+    chain = chains[max(chains)]
+    resolver = CapturedResolution(chain)
+    out = []
+    for rows in rows_list:
+        fb = DeviceFallback(chain)
+        t = realistic_batch(max(1, rows // 4), 3, vocab, seed=rows, mix="temperature",
+                            device="cuda")  # fmt: skip
+        kw = verify_inputs(t)
+        prefill = (kw["seq_lens"], kw["prefill_len"])
+        plain = _shardmax_step(t, "temperature", prefill)
+        step = _shardmax_step(t, "temperature", prefill, (resolver, kw), device=fb)
+        for _ in range(4):  # eager, captured, replayed; the fallback's host read, its capture
+            plain()
+            step()
+        torch.cuda.synchronize()
+        res = plain()
+        bucket = next(iter(fb._buckets.values()))
+
+        def run(res: Any = res, fb: Any = fb, kw: Any = kw, t: Any = t) -> Any:
+            return fb.run(res, t.logits, **kw, checks=False)
+
+        def launch(bucket: Any = bucket) -> None:
+            slot = bucket.slot()
+            if slot is not None:  # the table the step wrote last: nothing flagged, body skipped
+                slot.request()
+                slot.graph.launch()
+
+        calls = {FALLBACK_PARTS[0]: (plain, forward.replay), FALLBACK_PARTS[1]: (step, forward.replay),
+                 FALLBACK_PARTS[2]: (run, forward.replay), FALLBACK_PARTS[3]: (launch, forward.replay),
+                 FALLBACK_PARTS[4]: (launch, None)}  # fmt: skip
+        for part, (call, busy) in calls.items():
+            times = _host_us(call, busy)
+            p50, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
+            out.append({"mix": "temperature", "rows": int(t.logits.shape[0]), "part": part,
+                        "host_us_p50": p50, "host_us_p90": p90})  # fmt: skip
+            print(f"temperature rows={t.logits.shape[0]:4} {part:38} host p50 {p50:6.1f} us  "
+                  f"p90 {p90:6.1f} us", flush=True)  # fmt: skip
+        print(f"  fallback stats: {fb.stats}", flush=True)
+        if profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            _host_us(run, forward.replay)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    return out
+
+
 SPLIT_FIELDS = ["tp", "mix", "rows", "exchange", "host_us_p50", "host_us_p90", "b2b_us_p50"]
 
 
@@ -438,6 +510,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forward-us", type=float, default=750.0)
     ap.add_argument("--part-rows", default="32,512", help="row counts of section 3")
     ap.add_argument("--split-rows", default="32,512", help="row counts of section 4")
+    ap.add_argument(
+        "--fallback-rows",
+        default="4,32,96,512",
+        help="row counts of section 5 (the device fallback by part)",
+    )
+    ap.add_argument(
+        "--only-fallback",
+        action="store_true",
+        help="section 5 alone (with a cProfile of the fallback's run)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -448,6 +530,13 @@ def main(argv: list[str] | None = None) -> int:
 
     forward, forward_us = _forward_graph(args.forward_us)
     print(f"stand-in forward: {forward_us:.0f} us")
+    fb_rows_list = [int(r) for r in args.fallback_rows.split(",")]
+    out = args.out or Path("benchmarks/results") / (detect_arch() or "unknown") / "host_costs"
+    if args.only_fallback:
+        out.mkdir(parents=True, exist_ok=True)
+        write_rows(out / "fallback_parts.csv", PART_FIELDS,
+                   fallback_parts(forward, fb_rows_list, profile=True))  # fmt: skip
+        return 0
     rows = []
     for reqs in (int(r) for r in args.reqs.split(",")):
         base = None
@@ -462,14 +551,21 @@ def main(argv: list[str] | None = None) -> int:
     launch_rows = launches(forward)
     part_rows = replay_parts(forward, [int(r) for r in args.part_rows.split(",")])
     split_rows = split_replay(forward, [int(r) for r in args.split_rows.split(",")])
-    out = args.out or Path("benchmarks/results") / (detect_arch() or "unknown") / "host_costs"
+    fb_rows = fallback_parts(forward, fb_rows_list)
     out.mkdir(parents=True, exist_ok=True)
     for name, fields, data in (("flag_read.csv", FIELDS, rows),
                                ("launches.csv", LAUNCH_FIELDS, launch_rows),
                                ("replay_parts.csv", PART_FIELDS, part_rows),
-                               ("split_replay.csv", SPLIT_FIELDS, split_rows)):  # fmt: skip
+                               ("split_replay.csv", SPLIT_FIELDS, split_rows),
+                               ("fallback_parts.csv", PART_FIELDS, fb_rows)):  # fmt: skip
         write_rows(out / name, fields, data)
     text = summary(rows, launch_rows, part_rows, split_rows)
+    if fb_rows:
+        text += "\n\n# The device fallback's call by part (temperature, TP 1)\n\n" + "\n".join(
+            ["| rows | part | host us p50 | host us p90 |", "|---|---|---|---|"]
+            + [f"| {r['rows']} | {r['part']} | {r['host_us_p50']:.1f} | {r['host_us_p90']:.1f} |"
+               for r in fb_rows]
+        )  # fmt: skip
     (out / "HOST_COSTS.md").write_text(text + "\n")
     print(text)
     return 0

@@ -61,6 +61,8 @@
 #                                   graphs, vLLM's chain inside them, buckets), every graph GPU
 #                                   test (table_copy, the fetched output slots), then the engine
 #                                   loop
+#   bash scripts/gpu_session.sh FP  one H200: the device fallback's GPU tests, then its host cost
+#                                   by part with a cProfile of its run
 #   bash scripts/gpu_session.sh HP  one H200: the host's elementary costs (the flag read, a graph
 #                                   replay, a launch; PROFILE=1: host profiles of the plug-in's
 #                                   replayed call and of a resolving top-p step)
@@ -763,6 +765,20 @@ DF)
     "$OUT/engine_DF.log" | head -60
   tar -czf "$OUT/DF.tar.gz" -C "$OUT" engine 2>/dev/null
   rm -rf "$OUT/engine"
+  ;;
+FP)
+  # the device fallback's host cost by part (benchmarks.host_costs --only-fallback: the call
+  # with and without it, its run, its conditional graph's launch, a cProfile of the run), after
+  # its GPU tests
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "device fallback GPU tests"
+  timeout "$(left 150)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fallback.py \
+    >"$OUT/fallback_FP.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/fallback_FP.log" | tail -8
+  stamp "device fallback host cost by part"
+  timeout "$(left 420)" python3 -m benchmarks.host_costs --only-fallback \
+    --out "$OUT/host_costs_fallback" >"$OUT/fallback_parts.log" 2>&1
+  echo "  rc=$?"; grep -E "^temperature|stats|tottime|^ +[0-9]" "$OUT/fallback_parts.log" | head -90
   ;;
 RA)
   # after a change of resolve_apply / the host read: the host read's GPU test, the resolution

@@ -307,13 +307,16 @@ def test_gpu_device_fallback(num_reqs: int) -> None:
             logits, sub = _sub_step(b.logits, kw, picks)
             flagged = sorted(gen.choice(n, size=1 + i % n, replace=False).tolist())
             steps.append((logits, sub, chain.verify(logits, **sub), flagged))
+        outputs = [_result(want_i, flagged, flagged) for _, _, want_i, flagged in steps]
         torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+        torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time
+        slept = torch.cuda.Event()
+        slept.record()
         results = []
-        for logits, sub, want_i, flagged in steps:
-            res = _result(want_i, flagged, flagged)
+        for res, (logits, sub, _, _) in zip(outputs, steps, strict=True):
             results.append((res, fb.run(res, logits, **{**sub, "checks": False})))
-        assert [ran for _, ran in results] == [True] * SLOTS + [False], fb.stats
+        ahead = not slept.query()  # the host still ahead: else a run waited for the GPU
+        assert ahead and [ran for _, ran in results] == [True] * SLOTS + [False], (ahead, fb.stats)
         torch.cuda.synchronize()
         for (res, ran), (_, _, want_i, flagged) in zip(results, steps, strict=True):
             if ran:
