@@ -21,8 +21,10 @@ read alone, with nothing flagged).
 So every request ends with vLLM's answer -- shardmax's where nothing was flagged (identical by
 construction, the parity tests' claim), vLLM's own where something was -- and a step's host work
 is writing ~30 int64 into a page-locked table the GPU reads in place and one graph launch,
-whatever the flags say: no copy call (``torch`` 's pinned staging and ``cudaMemcpyAsync`` cost
-~10-15 us of host time on the H200's host). As in :mod:`shardmax.runtime.graphs`, a table is
+whatever the flags say: no copy call. Measured (H100, ``benchmarks.host_costs --only-fallback``),
+that second call after the replayed step still costs 95-190 us of host time (checks, signature
+and table in Python, then 22-42 us for the conditional graph's launch with the GPU busy) and
+20-24 us of GPU time, more than the host read it replaces saves: the plug-in keeps it opt-in. As in :mod:`shardmax.runtime.graphs`, a table is
 rewritten only once the GPU has acknowledged its last step; a step that finds none of its
 signature's tables acknowledged (the host ran :data:`SLOTS` steps ahead) returns False, and the
 caller reads the flags.
