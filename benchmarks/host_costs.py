@@ -55,10 +55,17 @@ Host us per call (behind the stand-in forward) and us per call of 50 calls back 
 nothing else queued (CUDA events: the slower of the GPU's work and the host's launches); the
 stand-in's own tile copy is in both.
 
+**5. The device fallback's call by part (TP 1, temperature traffic).** The replayed call alone
+and with :class:`~shardmax.integrations.vllm.fallback.DeviceFallback` after it, the fallback's
+run alone and its conditional graph's launch (GPU busy / idle); ``--only-fallback``: this
+section alone, with a cProfile of the run per row count. Needs vLLM's extracted chain and
+conditional graphs (else skipped, the reason printed).
+
 Needs a GPU.
 
     python -m benchmarks.host_costs [--reqs 8,128] [--steps 300] [--forward-us 750]
-        [--part-rows 32,512] [--split-rows 32,512]
+        [--part-rows 32,512] [--split-rows 32,512] [--fallback-rows 4,32,96,512]
+        [--only-fallback]
         [--out benchmarks/results/<arch>/host_costs]
 """
 
@@ -329,9 +336,13 @@ def fallback_parts(forward: Any, rows_list: list[int], vocab: int = 200064,
     if not chains:
         print("section 5 not measured: no vLLM chain (scripts/vllm_sources.sh)", file=sys.stderr)
         return []
-    chain = chains[max(chains)]
+    chain = list(chains.values())[-1]  # discover() sorts by version
     resolver = CapturedResolution(chain)
     out = []
+    why = DeviceFallback(chain).unavailable(torch.device("cuda", torch.cuda.current_device()))
+    if why is not None:
+        print(f"section 5 not measured: {why}", file=sys.stderr)
+        return []
     for rows in rows_list:
         fb = DeviceFallback(chain)
         t = realistic_batch(max(1, rows // 4), 3, vocab, seed=rows, mix="temperature",
@@ -345,7 +356,10 @@ def fallback_parts(forward: Any, rows_list: list[int], vocab: int = 200064,
             step()
         torch.cuda.synchronize()
         res = plain()
-        bucket = next(iter(fb._buckets.values()))
+        bucket = next(iter(fb._buckets.values()), None)
+        if bucket is None or bucket.failed:
+            print(f"section 5, {rows} rows: not captured ({fb.stats})", file=sys.stderr)
+            continue
 
         def run(res: Any = res, fb: Any = fb, kw: Any = kw, t: Any = t) -> Any:
             return fb.run(res, t.logits, **kw, checks=False)

@@ -557,8 +557,8 @@ def device_fallback(device: torch.device) -> Any:
     ``$SHARDMAX_VLLM_GRAPHS=0``, or conditional graphs unavailable here (the reason logged once).
     Made once per process; only TP 1 calls it (the chain needs the full logits). Opt-in with
     ``$SHARDMAX_VLLM_DEVICE_FALLBACK=1``: its GPU tests pass (H200, H100), but in the engine loop
-    its extra call costs more host and GPU time than the flag read it saves (1-7 % fewer tokens/s
-    than vLLM's chain at T = 1 on an H100: ``benchmarks/results/sm90/engine_device_fallback``). ``emulate`` (tests, CPU engines): the same tables and kernels run
+    its step gets 1-7 % fewer tokens/s than vLLM's chain at T = 1 on an H100 (its extra call's
+    host and GPU time: ``benchmarks/results/sm90/engine_device_fallback``). ``emulate`` (tests, CPU engines): the same tables and kernels run
     eagerly, the predicate read on the host (a sync, so no speed to gain), so that a CPU engine
     exercises the fallback's signatures and answers."""
     flag = os.environ.get(ENV_DEVICE_FALLBACK, "0").strip().lower()
