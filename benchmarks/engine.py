@@ -38,6 +38,10 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
      a request was flagged and, only then, runs vLLM's chain on the whole step inside a
      conditional CUDA graph (no host read); every request of it is cross-checked against
      ``vllm``;
+   * ``shardmax+fold`` (where ``shardmax+device`` is): the same decision inside the step's own
+     replayed graph (``DeviceFallback.fold`` as the epilogue of ``shard.graphed(plan).run``:
+     one launch, one table, the predicate and vLLM's chain a conditional node behind the step's
+     kernels) -- the plug-in's call with ``SHARDMAX_VLLM_DEVICE_FALLBACK=1``;
    * ``shardmax-hist+resolve`` (top-p traffic): the same with the top-p rows verified from level
      histograms (``VocabShard.verify(rows, topp=pipeline_for(rows, "cuda", version))``, replayed
      from its CUDA graphs on a static copy of the logits: the plug-in's top-p call) instead of
@@ -160,6 +164,7 @@ def _shardmax_step(
     topp: Any = None,
     rank: RankShard | None = None,
     device: Any = None,
+    fold: bool = False,
 ) -> Callable[[], Any]:
     """The plug-in's verification call on one rank (TP 1: the shard is the whole vocabulary;
     ``rank``: this rank's shard of ``traffic.logits`` and its group): the step's host checks,
@@ -168,7 +173,10 @@ def _shardmax_step(
     the flagged requests resolved per request (their rows all-gathered at TP > 1); ``topp``: a
     top-p pipeline (level histograms); ``device``: a
     :class:`~shardmax.integrations.vllm.fallback.DeviceFallback` queued after the run (TP 1),
-    the host read and ``resolve`` only on the steps it returns False for. Returns the result."""
+    the host read and ``resolve`` only on the steps it returns False for; ``fold``: the
+    fallback first offered to the replayed run as its epilogue (``DeviceFallback.fold``: inside
+    the step's own graph, as the plug-in calls it), the second call only where the step did
+    not replay from a slot. Returns the result."""
     from shardmax.ops.resolve import flagged_requests, gather_rows, resolve_requests
     from shardmax.plan import VocabShard
     from shardmax.runtime.validation import check_step_batch
@@ -200,9 +208,12 @@ def _shardmax_step(
             plan = shard.verify(rows, with_candidates=t.top_p is not None)
         else:
             plan = shard.greedy_verify(rows)
-        res = shard.graphed(plan).run(logits, batch) if graphed else plan.run(logits, batch)
-        if not sampled:
-            return res
+        ep = None
+        if fold and device is not None and resolve is not None and graphed:
+            ep = device.fold(logits, **resolve[1], checks=False)
+        res = shard.graphed(plan).run(logits, batch, ep) if graphed else plan.run(logits, batch)
+        if not sampled or (ep is not None and ep.queued):
+            return res  # greedy, or the device decides inside the replayed graph
         if (
             device is not None
             and resolve is not None
@@ -564,6 +575,9 @@ def _run(
                         paths["shardmax+device"] = _shardmax_step(
                             traffic, mix, prefill, (resolver, kw), device=fallback
                         )
+                        paths["shardmax+fold"] = _shardmax_step(
+                            traffic, mix, prefill, (resolver, kw), device=fallback, fold=True
+                        )
                 if mix == "top_p":
                     from shardmax.reference.nucleus_replay import pipeline_for
                     from shardmax.runtime.topp_tables import set_sigma_table
@@ -574,7 +588,8 @@ def _run(
                         traffic, mix, prefill, (resolver, kw), topp=config, rank=me
                     )
                 paths["vllm"] = _vllm_step(traffic, chain, kw, rank=me)
-            same = resolved_note = device_note = ""
+            same = resolved_note = ""
+            device_notes: dict[str, str] = {}
             if "vllm" in paths:
                 theirs = paths["vllm"]()
                 bad, flagged = _mismatches(paths["shardmax"](), theirs)
@@ -585,18 +600,18 @@ def _run(
                         f"{bad_r} of {reqs} requests differ from vLLM after resolving "
                         f"{flagged} ({left} left flagged)"
                     )
-                if "shardmax+device" in paths:
-                    dev_step = paths["shardmax+device"]
-                    for _ in range(fallback.capture_after if fallback is not None else 1):
+                for name in ("shardmax+device", "shardmax+fold"):
+                    if name not in paths or fallback is None:
+                        continue
+                    dev_step = paths[name]
+                    for _ in range(fallback.capture_after):
                         dev_step()  # the signature's host-read steps, then its capture
                     got = dev_step()
                     torch.cuda.synchronize()
                     bad_d, left_d = _mismatches(got, theirs)
-                    device_note = (
+                    device_notes[name] = (
                         f"{bad_d} of {reqs} requests differ from vLLM ({left_d} left flagged; "
                         f"{flagged} flagged before the device fallback); fallback {fallback.stats}"
-                        if fallback is not None
-                        else ""
                     )
                 hist_note = ""
                 if "shardmax-hist+resolve" in paths:
@@ -615,6 +630,7 @@ def _run(
                     "shardmax",
                     "shardmax+resolve",
                     "shardmax+device",
+                    "shardmax+fold",
                     "shardmax-hist+resolve",
                 ):
                     if name in paths:
@@ -634,6 +650,7 @@ def _run(
                 row["gpu_us_graph"] = (
                     "replayed" if path == "shardmax"
                     else "replayed (conditional graph)" if path == "shardmax+device"
+                    else "replayed (folded conditional node)" if path == "shardmax+fold"
                     else "n/a at TP > 1" if world > 1
                     else _graph_gpu_us(step)
                 )  # fmt: skip
@@ -641,8 +658,8 @@ def _run(
                 row["fallback_rate"] = ""
                 if path == "shardmax+resolve":
                     row["note"] = resolved_note
-                if path == "shardmax+device":
-                    row["note"] = device_note
+                if path in device_notes:
+                    row["note"] = device_notes[path]
                 if path == "shardmax-hist+resolve":
                     row["note"] = hist_note
                 if path == "shardmax" and same:
@@ -755,13 +772,22 @@ def summary(results: list[dict[str, Any]]) -> str:
                 f"{r['tokens_per_s']:.0f} vs {v['tokens_per_s']:.0f} "
                 f"({'PASS' if r['tokens_per_s'] >= v['tokens_per_s'] else 'FAIL'})"
             )
-    resolving = [(k, r) for k, r in by.items() if k[2] == "shardmax+resolve"]
-    if resolving:
-        lines += ["", "## The plug-in's resolving call (issue 18)", "",
-                  "One host read of the flags, then the flagged requests verified from their own "
-                  "rows by vLLM's own kernels (`shardmax+resolve`), against vLLM's whole chain:",
-                  ""]  # fmt: skip
-        for (mix, rows, _), r in resolving:
+    titles = {
+        "shardmax+resolve": ("The plug-in's resolving call (issue 18)", "One host read of the "
+                             "flags, then the flagged requests verified from their own rows by "
+                             "vLLM's own kernels (`shardmax+resolve`)"),
+        "shardmax+device": ("The device fallback as a second call", "The replayed step, then "
+                            "`DeviceFallback.run`'s conditional graph (`shardmax+device`)"),
+        "shardmax+fold": ("The device fallback folded into the replayed step (issue 19)",
+                          "One graph launch: the step's kernels, then the predicate and vLLM's "
+                          "chain as a conditional node (`shardmax+fold`)"),
+    }  # fmt: skip
+    for name, (title, what) in titles.items():
+        calls = [(k, r) for k, r in by.items() if k[2] == name]
+        if not calls:
+            continue
+        lines += ["", f"## {title}", "", f"{what}, against vLLM's whole chain:", ""]
+        for (mix, rows, _), r in calls:
             v = by.get((mix, rows, "vllm"))
             if v is None:
                 continue

@@ -212,6 +212,76 @@ def test_device_fallback_buckets(chain: NativeChain) -> None:
     assert fb.stats["signatures"] == 3, fb.stats
 
 
+def _folded_run(shard, fb: DeviceFallback, logits: torch.Tensor, t, kw: dict):
+    """The plug-in's TP-1 sampled step with the fallback folded into the replayed graph: the
+    fold made first, then the shard's replayed plan with it as the epilogue. Returns (result,
+    fold)."""
+    from shardmax.runtime.validation import check_step_batch
+
+    rows = logits.shape[0]
+    batch = check_step_batch(
+        rows, logits.device, t.draft_sampled, t.cu_num_logits, t.pos, t.idx_mapping,
+        t.expanded_local_pos, t.seed, 3, None, kw["seq_lens"], kw["prefill_len"],
+        temperature=t.temperature,
+    )  # fmt: skip
+    fold = fb.fold(logits, **kw)
+    return shard.graphed(shard.verify(rows)).run(logits, batch, fold), fold
+
+
+@pytest.mark.e2e
+@by_version
+def test_device_fallback_folded(chain: NativeChain) -> None:
+    """The fallback as an epilogue of the step's own replayed graph (``GraphedStep.run``'s
+    ``epilogue``; CPU: the slots' tables, fetches and kernels, the predicate read on the host):
+    requests shardmax flags (a NaN row: NON_FINITE) get vLLM's answer on the step, == vLLM's
+    chain on every request, nothing flagged left; steps without a flag keep shardmax's outputs
+    (== vLLM's too); the first step of a signature runs eagerly and leaves the fold unqueued
+    (the caller's second call or host read)."""
+    from shardmax.plan import VocabShard
+
+    vocab = 512
+    fb = DeviceFallback(chain, emulate=True)
+    shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=torch.bfloat16,
+                       device="cpu")  # fmt: skip
+    queued = []
+    for i, poison in enumerate([[1], [], [1], [0, 3], [], [2, 4]]):
+        t, kw = _step(20 + i, 5, vocab, "cpu")
+        logits = t.logits.clone()
+        cu = kw["cu_num_logits_np"]
+        for r in poison:
+            logits[int(cu[r]), 11] = float("nan")  # request r's first row: always used
+        want = chain.verify(logits, **kw)
+        res, fold = _folded_run(shard, fb, logits, t, kw)
+        assert fold is not None
+        queued.append(fold.queued)
+        if not fold.queued:  # the eager first step: flags as shardmax set them
+            assert sorted(torch.nonzero(res.fallback).flatten().tolist()) == poison
+            assert fb.run(res, logits, **kw) is False  # a first sighting: the host read
+            continue
+        _same(res, want, f"step {i}: poisoned requests {poison}")
+    assert queued == [False] + [True] * 5, queued
+    assert fb.stats["signatures"] == 1 and fb.stats["launched"] == 0, fb.stats
+    # a step of another shape: its own graph and fold signature
+    t, kw = _step(40, 3, vocab, "cpu")
+    for step in range(2):
+        logits = t.logits.clone()
+        logits[int(kw["cu_num_logits_np"][2]), 5] = float("inf")
+        want = chain.verify(logits, **kw)
+        res, fold = _folded_run(shard, fb, logits, t, kw)
+        assert fold is not None and fold.queued == (step == 1)
+        if step:
+            _same(res, want, "3 requests, +inf row")
+    assert fb.stats["signatures"] == 2, fb.stats
+    # a synthetic rejection method or an empty step: no fold (the caller's path)
+    synthetic = {
+        "synthetic_conditional_rates": torch.ones(1),
+        "rejection_sample_method": "synthetic",
+    }
+    assert fb.fold(t.logits, **kw, **synthetic) is None
+    empty, kw_empty = _sub_step(t.logits, kw, [])
+    assert fb.fold(empty, **kw_empty) is None
+
+
 @pytest.mark.e2e
 @by_version
 def test_device_fallback_bad_input(chain: NativeChain) -> None:
@@ -326,6 +396,57 @@ def test_gpu_device_fallback(num_reqs: int) -> None:
         assert fb.stats["no_free_slot"] == 1, fb.stats
         assert fb.stats["signatures"] == 1 and fb.stats["captured"] == SLOTS, fb.stats
         print(f"[device fallback] vLLM {chain.version} {num_reqs} requests: {fb.stats}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_reqs", [1, 8, 24])
+def test_gpu_device_fallback_folded(num_reqs: int) -> None:
+    """On the GPU: the fallback folded into the replayed step's graph (one launch). Per vLLM
+    version, steps with no / some / every request poisoned (a NaN in its first row: shardmax
+    flags it NON_FINITE, vLLM's chain answers it), each step run twice (bits compared), ==
+    vLLM's chain on every request, no flag left, no host sync on a replayed step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not CHAINS:
+        pytest.skip("no vLLM chain tree (scripts/vllm_kernels.sh)")
+    from shardmax.plan import VocabShard
+    from shardmax.testing.syncs import host_syncs
+
+    vocab = 200064
+    t, kw = _step(num_reqs, num_reqs, vocab, "cuda")
+    cu = kw["cu_num_logits_np"]
+    gen = np.random.default_rng(num_reqs)
+    some = sorted(gen.choice(num_reqs, size=max(1, num_reqs // 3), replace=False).tolist())
+    for chain in CHAINS:
+        fb = DeviceFallback(chain)
+        assert fb.unavailable(t.logits.device) is None
+        shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=t.logits.dtype,
+                           device=t.logits.device)  # fmt: skip
+        for step, poison in enumerate([[], [], [0], some, list(range(num_reqs)), []]):
+            logits = t.logits.clone()
+            for r in poison:
+                logits[int(cu[r]), 11] = float("nan")
+            want = chain.verify(logits, **kw)
+            outs = []
+            for i in range(2):
+                got: list = []
+
+                def call(logits=logits, got=got, shard=shard, fb=fb) -> None:
+                    got.extend(_folded_run(shard, fb, logits, t, {**kw, "checks": False}))
+
+                syncs = host_syncs(call) if step >= 1 else (call(), "none")[1]
+                res, fold = got
+                # the signature's first call runs eagerly, its second captures
+                assert fold is not None and fold.queued == (step + i > 0), (step, i)
+                if not fold.queued:
+                    continue
+                assert syncs == "none", (step, syncs)
+                torch.cuda.synchronize()
+                _same(res, want, f"vLLM {chain.version} {num_reqs} reqs, poisoned {poison}")
+                outs.append([x.clone() for x in res[:3]])
+            if len(outs) == 2:
+                assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True)), poison
+        print(f"[folded fallback] vLLM {chain.version} {num_reqs} requests: {fb.stats}")
 
 
 def test_plugin_device_fallback_only_where_it_can_run(monkeypatch) -> None:

@@ -81,9 +81,9 @@ from __future__ import annotations
 import sys
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext as _nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -180,13 +180,19 @@ class _Slot(FetchedTable):
     the GPU has fetched it for the slot's previous step: each step writes its request number,
     the fetch writes it back as the acknowledgement, and until it has, the slot is not free."""
 
-    __slots__ = ("_cdata", "_idle", "_ptrs", "_storages", "graph", "retired", "static")
+    __slots__ = ("_cdata", "_idle", "_ptrs", "_storages", "fold", "graph", "retired", "static")
 
     def __init__(
-        self, outputs: list[torch.Tensor], graph: _Segments | None, buf: torch.Tensor
+        self,
+        outputs: list[torch.Tensor],
+        graph: Any,
+        buf: torch.Tensor,
+        fold: tuple[Callable[[], torch.Tensor], Callable[[], Any]] | None = None,
     ) -> None:
         # the static outputs (the graph's, or on the CPU the copy's destinations)
         self.static, self.graph = outputs, graph
+        # off CUDA, an epilogue's (predicate, body), run eagerly after the step
+        self.fold = fold
         super().__init__(buf)  # the slot's table
         # held, not only counted: their Python objects are what a caller's untyped_storage()
         # returns (one per storage), so their reference counts are holders too
@@ -239,10 +245,18 @@ class _Captured:
     """One batch signature of one plan: the table, the static buffers and (on a GPU) the graph."""
 
     def __init__(
-        self, plan: Any, logits: torch.Tensor, batch: Any, static_logits: torch.Tensor | None = None
+        self,
+        plan: Any,
+        logits: torch.Tensor,
+        batch: Any,
+        static_logits: torch.Tensor | None = None,
+        epilogue: Any = None,
     ) -> None:
         dev = logits.device
         self.plan, self.device = plan, dev
+        # the signature's epilogue (its slots' conditional node; the copy-out graph has none)
+        self.epilogue = epilogue
+        self.fold_at = 0  # where its words start in the tables (after the outputs' entries)
         # the batch's tensors, by position in the StepBatch: the table's input entries
         self.fields = [i for i, t in enumerate(batch) if type(t) is torch.Tensor]
         self.n_in = len(self.fields)
@@ -290,11 +304,15 @@ class _Captured:
             raise TypeError(f"{type(self.plan).__name__}.run: outputs are not contiguous tensors")
         self.outputs = [torch.empty_like(t) for t in first]
         n = len(self.host)
-        self.host = np.concatenate([self.host, np.zeros(3 * len(first), dtype=np.int64)])
+        self.fold_at = n + 3 * len(first)
+        extra = self.epilogue.words if self.epilogue is not None else 0
+        self.host = np.concatenate([self.host, np.zeros(3 * len(first) + extra, dtype=np.int64)])
         self._host_t = torch.from_numpy(self.host)
         for j, t in enumerate(first):
             self.host[n + 3 * j] = t.data_ptr()
             self.host[n + 3 * j + 2] = _nbytes(t)
+        if self.epilogue is not None:  # a capture's words: its warm-up writes no answer
+            self.epilogue.write(self.host[self.fold_at :], self.make(first), capture=True)
         self._set_table(len(self.host))
         if self.device.type == "cuda":
             self._fill(self.host, logits, batch, self.outputs)
@@ -334,16 +352,23 @@ class _Captured:
         host[:n] = self.host
         host[n:] = (0, -1)  # request 0, not acknowledged yet
         self._fetch(buf)
+        ep = self.epilogue
         if self.device.type != "cuda":
-            return _Slot([torch.empty_like(t) for t in self.outputs], None, buf)
+            outs = [torch.empty_like(t) for t in self.outputs]
+            fold = None if ep is None else ep.capture(self.table[self.fold_at :], self.make(outs))
+            return _Slot(outs, None, buf, fold)
 
         def body() -> Any:
             self._fetch(buf)
             return self._body(copy_out=False)
 
-        graph = _Segments(self.plan.ctx)
         try:
-            outs = list(graph.capture(body))
+            if ep is None:
+                graph: Any = _Segments(self.plan.ctx)
+                outs = list(graph.capture(body))
+            else:
+                graph = _FoldedGraph(self, body, ep)
+                outs = graph.outputs
         except BaseException:  # the eager fetch may still be queued: keep its table until read
             _UNFETCHED.append((buf, host, n + 1, 0))
             raise
@@ -403,7 +428,7 @@ class _Captured:
         for j, t in enumerate(outs):
             h[base + 3 * j] = t.data_ptr()
 
-    def run(self, logits: torch.Tensor, batch: Any) -> Any:
+    def run(self, logits: torch.Tensor, batch: Any, epilogue: Any = None) -> Any:
         # round robin from the slot after the last one handed out: a caller that keeps its
         # last outputs or two (vLLM, until their copy to the host is done) finds it free at once
         slot, n = None, len(self.slots)
@@ -425,6 +450,8 @@ class _Captured:
             return self.make(outs)
         # the slot's own table, read by its graph in place: no copy call
         self._fill(slot.host, logits, batch, () if slot.graph is not None else slot.static)
+        if epilogue is not None:  # this step's words (its own tensors, the slot's outputs)
+            epilogue.write(slot.host[self.fold_at :], self.make(slot.static))
         if self.static_logits is not None:
             self.static_logits.copy_(logits)
         slot.request()
@@ -434,10 +461,77 @@ class _Captured:
             else:
                 self._fetch(slot.buf)
                 self._body(copy_out=True)
+                if slot.fold is not None:  # off CUDA: the predicate read on the host
+                    predicate, fold_body = slot.fold
+                    if bool(predicate()):
+                        fold_body()
         except BaseException:  # the request may never be fetched: never wait for it
             slot.retired = True
             raise
+        if epilogue is not None:
+            epilogue.queued = True
         return self.make(slot.take())
+
+
+class Epilogue(Protocol):
+    """Work a replayed step runs behind its kernels only when the device says so: a
+    conditional node in the output slot's graph (:class:`~shardmax.runtime.conditional.IfGraph`),
+    so the step stays one graph launch with one table and no host read. A new object per step.
+
+    The graph of a batch signature is captured per ``key`` too; its argument tables get
+    ``words`` more int64 entries after the outputs' (fetched with the rest), which the step
+    writes (:meth:`write`) and the epilogue's body reads on the device (:meth:`capture`)."""
+
+    key: Hashable
+    """What the epilogue's capture depends on besides the batch signature."""
+    words: int
+    """Its int64 words in the step's table."""
+    pool: Any
+    """The CUDA-graph memory pool its captures allocate from (None: a new one)."""
+    queued: bool
+    """Set True by the step that ran it (queued on the device); False otherwise."""
+
+    def write(self, host: np.ndarray, result: Any, capture: bool = False) -> None:
+        """This step's words into ``host`` (``words`` entries of a page-locked table):
+        ``result`` is the step's outputs (the slot's static ones, as ``plan.run`` returns them);
+        ``capture``: a capture's table, whose eager warm-up must leave every output as it is."""
+
+    def capture(
+        self, table: torch.Tensor, result: Any
+    ) -> tuple[Callable[[], torch.Tensor], Callable[[], Any]]:
+        """``(predicate, body)`` of one slot: ``table`` is the device view of its words,
+        ``result`` the slot's outputs. ``predicate()`` launches what decides (a one-element bool
+        / uint8 CUDA tensor, nonzero = run), ``body()`` the work; both are captured (and run
+        once eagerly as a warm-up) and must be capturable."""
+
+
+class _FoldedGraph:
+    """An output slot's step and its epilogue: ``table_fetch`` -> the plan's launches ->
+    ``epilogue``'s predicate -> IF { its body }, one CUDA graph (TP 1: no collective)."""
+
+    __slots__ = ("_keep", "graph", "outputs")
+
+    def __init__(self, captured: _Captured, step: Callable[[], Any], epilogue: Any) -> None:
+        from shardmax.runtime.conditional import IfGraph
+
+        table = captured.table[captured.fold_at :]
+        box: dict[str, Any] = {}
+
+        def prologue() -> torch.Tensor:
+            outs = list(step())
+            # the capture (the second call, after the warm-up) binds the body to its outputs
+            box["outs"], box["fold"] = outs, epilogue.capture(table, captured.make(outs))
+            return box["fold"][0]()
+
+        def body() -> Any:
+            return box["fold"][1]()
+
+        self.graph = IfGraph(prologue, body, captured.device, pool=epilogue.pool)
+        self.outputs: list[torch.Tensor] = box["outs"]  # the captured step's own outputs
+        self._keep = box  # the body's buffers (and the epilogue's state) live with the graph
+
+    def replay(self) -> None:
+        self.graph.launch()
 
 
 def reads_logits_directly(plan: Any) -> bool:
@@ -578,13 +672,24 @@ class GraphedStep:
     def supported(cls, plan: Any) -> bool:
         return not cls.unsupported(plan)
 
-    def run(self, local_logits: torch.Tensor, batch: Any) -> Any:
+    def run(self, local_logits: torch.Tensor, batch: Any, epilogue: Any = None) -> Any:
         """The plan's ``run``: eagerly for a new batch signature, from its graph afterwards.
 
-        ``batch``: a :class:`~shardmax.runtime.validation.StepBatch` from ``check_step_batch``
-        (its tensors unit-stride, as every plan's kernels assume; the replay copies them byte
-        for byte). Raises what ``plan.run`` raises for bad logits or a batch of another shape."""
+        Args:
+            local_logits: the rank's logits, as ``plan.run`` takes them.
+            batch: a :class:`~shardmax.runtime.validation.StepBatch` from ``check_step_batch``
+                (its tensors unit-stride, as every plan's kernels assume; the replay copies
+                them byte for byte).
+            epilogue: an :class:`Epilogue` of this step (TP 1 only; ignored in a TP group of
+                more ranks): where the step replays from an output slot, the slot's graph runs
+                it behind the step's kernels (a conditional node) and ``epilogue.queued`` is set
+                True; on every other step (eager, copy-out, TP > 1) it is not run and stays
+                False -- the caller then does its work itself.
+
+        Raises what ``plan.run`` raises for bad logits or a batch of another shape."""
         plan = self.plan
+        if epilogue is not None and plan.ctx.coll.world_size > 1:
+            epilogue = None  # a conditional body cannot hold the step's collectives
         if (
             batch.num_reqs == 0
             or type(local_logits) is not torch.Tensor
@@ -595,10 +700,12 @@ class GraphedStep:
         if local_logits.data_ptr() % 16:  # the INDIRECT kernels assume 16-byte alignment
             return plan.run(local_logits, batch)
         key = batch_signature(batch)
+        if epilogue is not None:
+            key = (key, epilogue.key)
         got = self._graphs.get(key)
         if got is not None:
             self._graphs.move_to_end(key)
-            return got.run(local_logits, batch)
+            return got.run(local_logits, batch, epilogue)
         seen = self._seen.get(key, 0) + 1
         if seen < CAPTURE_AFTER:
             res = plan.run(local_logits, batch)  # raises on a batch the plan refuses
@@ -610,7 +717,7 @@ class GraphedStep:
         if key in self._failed:
             return plan.run(local_logits, batch)
         try:
-            got = _Captured(plan, local_logits, batch, self._static_logits(local_logits))
+            got = _Captured(plan, local_logits, batch, self._static_logits(local_logits), epilogue)
         except Exception as e:  # a launch or collective that cannot be captured: stay eager
             self._failed.add(key)
             warnings.warn(
@@ -624,7 +731,7 @@ class GraphedStep:
         self._graphs[key] = got
         if len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
-        return got.run(local_logits, batch)
+        return got.run(local_logits, batch, epilogue)
 
     def _static_logits(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The plan's static copy of the logits (plans that read them directly), allocated once

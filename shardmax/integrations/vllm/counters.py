@@ -64,6 +64,7 @@ COUNTER_KEYS = (
     "native_verify",
     "plain_sample",
     "device_fallback_steps",
+    "device_fallback_folded",
     "device_fallback_host_reads",
     "device_fallback_signatures",
 )
@@ -124,7 +125,8 @@ def stats() -> dict[str, Any]:
     ``native_verify`` (verification steps handed to vLLM by the gate),
     ``device_fallback_steps`` / ``device_fallback_host_reads`` (TP-1 sampled steps whose flags
     the device fallback decided on the device / returned to the host read: a signature not
-    captured yet, or unsupported), ``device_fallback_signatures`` (its step signatures so far;
+    captured yet, or unsupported; ``device_fallback_folded``: of the first, those decided inside
+    the step's own replayed graph), ``device_fallback_signatures`` (its step signatures so far;
     :mod:`shardmax.integrations.vllm.fallback`),
     ``plain_sample`` (``sample`` calls without drafts, always vLLM's plain sampler),
     ``fallbacks`` (``{reason: count}`` over both hooks); ``warmup``: the same counters for vLLM's

@@ -73,6 +73,7 @@ import inspect
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -188,6 +189,10 @@ class _Bucket:
         dst = {"logits": logits, **self.static}
         for i, name in enumerate(_COPIED):
             words[_BODY + 3 * i + 1] = dst[name].data_ptr() if name in dst else 0
+        # the static words on the device: a folded step's table (fetched with the replayed
+        # step's, without them) is merged with them into ``table`` before the body reads it
+        self.static_words = torch.from_numpy(words).to(dev)
+        self.static_mask = self.static_words != 0
         _release_fetched()
         self.slots = [_Slot(words, dev) for _ in range(SLOTS)]
         self.next = 0
@@ -202,6 +207,71 @@ class _Bucket:
                 self.next = (self.next + i + 1) % SLOTS
                 return s
         return None
+
+
+def _words(
+    w: np.ndarray,
+    result: VerifyResult,
+    tensors: dict[str, torch.Tensor],
+    num_reqs: int,
+    capture: bool = False,
+) -> None:
+    """The step's table (:data:`_WORDS` int64) into ``w``: its flags, outputs, rows and the
+    body's copy entries. ``capture``: the table of a capture's warm-up, which runs prologue and
+    body once eagerly whatever the flags -- no flag copied, no answer written (the step's
+    outputs untouched)."""
+    logits = tensors["logits"]
+    num_logits = int(logits.shape[0])
+    span = (num_logits - 1) * int(logits.stride(0)) + int(logits.shape[1]) if num_logits else 0
+    ts = [tensors.get(name) for name in _COPIED]
+    answered = 0 if capture else num_reqs
+    w[_FLAGS] = result.fallback.data_ptr()
+    w[_FLAGS + 2] = answered
+    w[_APPLY : _NUM_REQS + 1] = (
+        answered, result.sampled.data_ptr(), result.num_sampled.data_ptr(),
+        result.num_rejected.data_ptr(), result.fallback.data_ptr(), result.reason.data_ptr(),
+        num_logits, num_reqs,
+    )  # fmt: skip
+    w[_BODY:_WORDS:3] = [t.data_ptr() if t is not None else 0 for t in ts]
+    w[_BODY + 2 : _WORDS : 3] = [span * logits.element_size()] + [
+        t.numel() * t.element_size() if t is not None else 0 for t in ts[1:]
+    ]
+
+
+class _Fold:
+    """One step's device fallback as an epilogue of its replayed graph
+    (:class:`shardmax.runtime.graphs.Epilogue`; made by :meth:`DeviceFallback.fold`)."""
+
+    __slots__ = ("fallback", "key", "num_reqs", "queued", "step", "tensors")
+    words = _WORDS
+
+    def __init__(
+        self,
+        fallback: DeviceFallback,
+        key: tuple[Any, ...],
+        tensors: dict[str, torch.Tensor],
+        num_reqs: int,
+        step: dict[str, Any],
+    ) -> None:
+        self.fallback, self.key, self.tensors = fallback, key, tensors
+        self.num_reqs, self.step = num_reqs, step
+        self.queued = False
+
+    @property
+    def pool(self) -> Any:
+        """The fallback's graph pool (every graph of one fallback replays in stream order)."""
+        fb = self.fallback
+        if fb._pool is None and torch.cuda.is_available():
+            fb._pool = torch.cuda.graph_pool_handle()
+        return fb._pool
+
+    def write(self, host: np.ndarray, result: VerifyResult, capture: bool = False) -> None:
+        _words(host, result, self.tensors, self.num_reqs, capture)
+
+    def capture(
+        self, table: torch.Tensor, result: VerifyResult
+    ) -> tuple[Callable[[], torch.Tensor], Callable[[], Any]]:
+        return self.fallback._folded(self, table, result)
 
 
 class DeviceFallback:
@@ -236,7 +306,8 @@ class DeviceFallback:
         unsupported signatures, failed captures); steps returned to it because the GPU had not
         yet fetched any of their signature's :data:`SLOTS` tables (the host ran that far ahead);
         signatures given buffers (captured or being captured); graphs captured (one per slot used); captures that failed (their signature then reads
-        the flags on the host)."""
+        the flags on the host). Steps run as :meth:`fold` epilogues are counted by their
+        callers (``queued``)."""
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why no step on ``device`` can run here (None: steps can)."""
@@ -270,14 +341,7 @@ class DeviceFallback:
         if self.unavailable(device) is not None:
             self.stats["host_read"] += 1
             return False
-        unknown = sorted(set(step) - _VERIFY_ARGS)
-        if unknown:
-            raise TypeError(f"run: unexpected step arguments {unknown}")
-        self.chain._refuse_unsupported(
-            step.get("draft_logits"), step.get("rejection_sample_method", "standard"),
-            step.get("synthetic_conditional_rates"), step.get("logits_processing", False),
-            step.get("num_logprobs"), step.get("watermark_key"),
-        )  # fmt: skip
+        self._refuse(step, "run")
         num_reqs = int(result.fallback.shape[0])
         if num_reqs == 0:  # nothing to flag (and nothing vLLM's checks could check)
             _check_result(result, step)
@@ -288,9 +352,7 @@ class DeviceFallback:
         _check_result(result, step)
         outs = (result.sampled, result.num_sampled, result.num_rejected, result.fallback,
                 result.reason)  # fmt: skip
-        tensors = {"logits": logits, "cu_num_logits": step["cu_num_logits"],
-                   **{name: step[name] for name in _ROWS + _REQS},
-                   **{name: t for name in _PERSISTENT if (t := step.get(name)) is not None}}  # fmt: skip
+        tensors = self._tensors(logits, step)
         key = None
         if step.get("synthetic_conditional_rates") is None and all(
             t.dtype == d and t.device == device and t.is_contiguous()
@@ -312,10 +374,7 @@ class DeviceFallback:
                         self._seen.popitem(last=False)
                     self.stats["host_read"] += 1
                     return False
-                if len(self._buckets) >= MAX_GRAPHS:
-                    self._buckets.popitem(last=False)
-                b = self._buckets[key] = self._bucket(key, logits, tensors)
-                self.stats["signatures"] += 1
+                b = self._new_bucket(key, logits, tensors)
             self._buckets.move_to_end(key)
             if b.failed:
                 self.stats["host_read"] += 1
@@ -326,17 +385,111 @@ class DeviceFallback:
                 return False
             if slot.graph is None:  # every slot at once: later steps never capture (a sync)
                 for each in b.slots:
-                    self._write(each, result, tensors, num_reqs, capture=True)
+                    _words(each.host, result, tensors, num_reqs, capture=True)
+                    each.request()
                     self._capture(b, each, step, num_reqs)
                     if b.failed:
                         self.stats["host_read"] += 1
                         return False
-            self._write(slot, result, tensors, num_reqs)
+            _words(slot.host, result, tensors, num_reqs)
+            slot.request()
             slot.graph.launch()
             self.stats["launched"] += 1
             return True
 
+    def fold(self, logits: torch.Tensor, **step: Any) -> _Fold | None:
+        """The same decision as :meth:`run`, as an epilogue of the step's own replayed graph
+        (:meth:`shardmax.runtime.graphs.GraphedStep.run`'s ``epilogue``): the step's output
+        slot then runs the prologue's predicate (any request flagged) and the body (vLLM's
+        chain on the step, its answers written into the slot's outputs) inside its own graph,
+        behind the step's kernels -- one launch and one table for the whole step, no second
+        call. Made before the step runs; after it, ``queued`` says whether the step ran it
+        (False: a step that did not replay from a slot; the caller then calls :meth:`run` or
+        reads the flags).
+
+        Args:
+            logits: ``[num_logits, V]`` the step's full logits (TP 1: the local logits).
+            step: :meth:`NativeChain.verify`'s other arguments, as for :meth:`run`.
+
+        Returns:
+            The step's epilogue, or None where :meth:`run` would not queue the step either
+            (module docstring) or the step has no request.
+
+        Raises:
+            as :meth:`run`'s checks.
+        """
+        device = logits.device
+        if self.unavailable(device) is not None:
+            return None
+        self._refuse(step, "fold")
+        num_reqs = int(step["idx_mapping"].shape[0])
+        if num_reqs == 0 or step.get("synthetic_conditional_rates") is not None:
+            return None
+        if step.get("checks", True):
+            self.chain._check_logits(logits)
+            self._checks(logits, step)
+        tensors = self._tensors(logits, step)
+        key = self._key(logits, tensors, step, num_reqs)
+        if key is None:
+            return None
+        return _Fold(self, key, tensors, num_reqs, step)
+
+    def _folded(
+        self, fold: _Fold, table: torch.Tensor, result: VerifyResult
+    ) -> tuple[Callable[[], torch.Tensor], Callable[[], Any]]:
+        """A slot's ``(predicate, body)`` of ``fold`` (:meth:`fold`): its bucket's body reading
+        ``table``, run when one of ``result``'s flags is set."""
+        _check_result(result, fold.step)
+        for t, d in zip(result[:5], _APPLY_DTYPES, strict=True):
+            if t.dtype != d or not t.is_contiguous():
+                raise TypeError(
+                    f"result: expected contiguous outputs of dtypes {_APPLY_DTYPES}, got "
+                    f"{t.dtype} of strides {t.stride()}"
+                )
+        with self._lock:
+            b = self._buckets.get(fold.key)
+            if b is None:
+                b = self._new_bucket(fold.key, fold.tensors["logits"], fold.tensors)
+            self._buckets.move_to_end(fold.key)
+        flags = result.fallback
+        inner = self._body(b, b.table, fold.step, fold.num_reqs)
+
+        def body() -> Any:
+            # the step's words (read from the replayed step's table) and the bucket's own
+            torch.where(b.static_mask, b.static_words, table, out=b.table)
+            return inner()
+
+        return (lambda: flags.any()), body
+
     # ---- signature, buffers and table --------------------------------------------------------
+
+    def _refuse(self, step: dict[str, Any], caller: str) -> None:
+        """Unknown step arguments, and what vLLM's chain refuses, raise."""
+        unknown = sorted(set(step) - _VERIFY_ARGS)
+        if unknown:
+            raise TypeError(f"{caller}: unexpected step arguments {unknown}")
+        self.chain._refuse_unsupported(
+            step.get("draft_logits"), step.get("rejection_sample_method", "standard"),
+            step.get("synthetic_conditional_rates"), step.get("logits_processing", False),
+            step.get("num_logprobs"), step.get("watermark_key"),
+        )  # fmt: skip
+
+    @staticmethod
+    def _tensors(logits: torch.Tensor, step: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The step's tensors the body copies, by name."""
+        return {"logits": logits, "cu_num_logits": step["cu_num_logits"],
+                **{name: step[name] for name in _ROWS + _REQS},
+                **{name: t for name in _PERSISTENT if (t := step.get(name)) is not None}}  # fmt: skip
+
+    def _new_bucket(
+        self, key: tuple[Any, ...], logits: torch.Tensor, tensors: dict[str, torch.Tensor]
+    ) -> _Bucket:
+        """A new signature's bucket, least recently used out (under the lock)."""
+        if len(self._buckets) >= MAX_GRAPHS:
+            self._buckets.popitem(last=False)
+        b = self._buckets[key] = self._bucket(key, logits, tensors)
+        self.stats["signatures"] += 1
+        return b
 
     def _checks(self, logits: torch.Tensor, step: dict[str, Any]) -> None:
         """The chain's argument checks of the step (its ``verify(checks=True)`` ones)."""
@@ -425,44 +578,15 @@ class DeviceFallback:
             shared = torch.zeros((rows, width), dtype=dtype, device=logits.device)
         return _Bucket(reqs, rows, shared, vocab, tensors)
 
-    @staticmethod
-    def _write(
-        slot: _Slot,
-        result: VerifyResult,
-        tensors: dict[str, torch.Tensor],
-        num_reqs: int,
-        capture: bool = False,
-    ) -> None:
-        """The step's table into a free slot's page-locked buffer (its flags, outputs, rows and
-        the body's copy entries), then its request number. ``capture``: the table of a capture's
-        warm-up, which runs prologue and body once eagerly whatever the flags -- no flag copied,
-        no answer written (the step's outputs untouched)."""
-        w = slot.host
-        logits = tensors["logits"]
-        num_logits = int(logits.shape[0])
-        span = (num_logits - 1) * int(logits.stride(0)) + int(logits.shape[1]) if num_logits else 0
-        ts = [tensors.get(name) for name in _COPIED]
-        answered = 0 if capture else num_reqs
-        w[_FLAGS] = result.fallback.data_ptr()
-        w[_FLAGS + 2] = answered
-        w[_APPLY : _NUM_REQS + 1] = (
-            answered, result.sampled.data_ptr(), result.num_sampled.data_ptr(),
-            result.num_rejected.data_ptr(), result.fallback.data_ptr(), result.reason.data_ptr(),
-            num_logits, num_reqs,
-        )  # fmt: skip
-        w[_BODY:_WORDS:3] = [t.data_ptr() if t is not None else 0 for t in ts]
-        w[_BODY + 2 : _WORDS : 3] = [span * logits.element_size()] + [
-            t.numel() * t.element_size() if t is not None else 0 for t in ts[1:]
-        ]
-        slot.request()
-
     # ---- capture -------------------------------------------------------------------------------
 
-    def _capture(self, b: _Bucket, slot: _Slot, step: dict[str, Any], num_reqs: int) -> None:
-        """Build a slot's graph (or its eager stand-in), the step's table already in the slot
-        (the capture's warm-up runs the step once: the same answers, the flags then clear)."""
+    def _body(
+        self, b: _Bucket, table: torch.Tensor, step: dict[str, Any], num_reqs: int
+    ) -> Callable[[], Any]:
+        """The body of a bucket's graph: the step's tensors (their addresses in ``table``, the
+        device copy of :func:`_words`' layout) into the bucket's buffers, the padding, vLLM's
+        chain on the bucket, then its answers into the step's outputs (``resolve_apply``)."""
         copy = kernels.kernel("table_copy")
-        fetch = kernels.kernel("table_fetch")
         apply = kernels.kernel("resolve_apply")
         chain = self.chain
         s = b.static
@@ -481,18 +605,11 @@ class DeviceFallback:
             if k not in _COPIED
         }
         kw.update(s, idx_mapping_np=idx_np, cu_num_logits_np=cu_np, checks=False)
-        table = b.table
         n, m = table[_NUM_REQS], table[_NUM_LOGITS]
         block = copy.module.BLOCK
         programs = max(
             1, min(_COPY_PROGRAMS, -(-b.logits.numel() * b.logits.element_size() // (16 * block)))
         )
-
-        def prologue() -> torch.Tensor:
-            # the slot's page-locked table into the device table (acknowledged), then the flags
-            fetch((1,), table, slot.buf, _WORDS, BLOCK=fetch.module.BLOCK)
-            copy((1,), table[_FLAGS:], BLOCK=block, SPREAD=False)
-            return b.flags.any()
 
         def body() -> Any:
             # the step's tensors into the bucket's buffers, then the padding
@@ -521,8 +638,28 @@ class DeviceFallback:
                 BLOCK_K=max(int(apply.module.CONSTEXPRS["BLOCK_K"]), 1 << (width - 1).bit_length()),
             )  # fmt: skip
             b.flags.zero_()  # the next step's copy writes num_reqs flags: the rest stay clear
+            if out.sampled.is_cuda and torch.cuda.is_current_stream_capturing():
+                # vLLM's top-k / top-p workspaces as the graph holds them: kept alive with it
+                mod = chain.modules.topk_topp
+                b.keep.append([dict(getattr(mod, name, {})) for name in _WORKSPACES])
             return out
 
+        return body
+
+    def _capture(self, b: _Bucket, slot: _Slot, step: dict[str, Any], num_reqs: int) -> None:
+        """Build a slot's graph (or its eager stand-in), the step's table already in the slot
+        (the capture's warm-up runs the step once: the same answers, the flags then clear)."""
+        copy = kernels.kernel("table_copy")
+        fetch = kernels.kernel("table_fetch")
+        table = b.table
+
+        def prologue() -> torch.Tensor:
+            # the slot's page-locked table into the device table (acknowledged), then the flags
+            fetch((1,), table, slot.buf, _WORDS, BLOCK=fetch.module.BLOCK)
+            copy((1,), table[_FLAGS:], BLOCK=copy.module.BLOCK, SPREAD=False)
+            return b.flags.any()
+
+        body = self._body(b, table, step, num_reqs)
         if b.table.device.type != "cuda":
             slot.graph = _Eager(prologue, body)  # the emulated capture (counted as one)
             self.stats["captured"] += 1
@@ -542,6 +679,4 @@ class DeviceFallback:
                 stacklevel=3,
             )
             return
-        mod = chain.modules.topk_topp
-        b.keep.append([dict(getattr(mod, name, {})) for name in _WORKSPACES])
         self.stats["captured"] += 1

@@ -334,12 +334,15 @@ def graph_replay(tp: int, device: torch.device) -> bool:
     return device.type == "cuda" and raw in ("1", "auto")
 
 
-def _run(shard: Any, plan: Any, local_logits: torch.Tensor, batch: Any) -> Any:
-    """``plan.run`` -- from the plan's CUDA graphs where :func:`graph_replay` says so."""
+def _run(
+    shard: Any, plan: Any, local_logits: torch.Tensor, batch: Any, epilogue: Any = None
+) -> Any:
+    """``plan.run`` -- from the plan's CUDA graphs where :func:`graph_replay` says so, with
+    ``epilogue`` (:class:`shardmax.runtime.graphs.Epilogue`) inside its replayed graph."""
     from shardmax.runtime.graphs import GraphedStep
 
     if graph_replay(shard.ctx.tp, local_logits.device) and GraphedStep.supported(plan):
-        return shard.graphed(plan).run(local_logits, batch)
+        return shard.graphed(plan).run(local_logits, batch, epilogue)
     return plan.run(local_logits, batch)
 
 
@@ -701,12 +704,20 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     )  # fmt: skip
     if nucleus:
         counters.bump("topp_histogram_steps" if topp is not None else "nucleus_candidate_steps")
-    res = _run(shard, plan, local_logits, batch)
     fallback = device_fallback(local_logits.device) if shard.geometry.tp == 1 else None
-    if fallback is not None and topp is None and not nucleus:
+    if fallback is None or topp is not None or nucleus:
+        res = _run(shard, plan, local_logits, batch)
+    else:
         vocab = int(st.vocab_size)
         inputs = chain_inputs(runner, input_batch, draft_sampled, pos, prefill_len)
-        launched = fallback.run(res, local_logits[:, :vocab], **inputs)
+        # inside the step's replayed graph where it replays from a slot, else a second call
+        fold = fallback.fold(local_logits[:, :vocab], **inputs)
+        res = _run(shard, plan, local_logits, batch, fold)
+        launched = fold is not None and fold.queued
+        if launched:
+            counters.bump("device_fallback_folded")
+        else:
+            launched = fallback.run(res, local_logits[:, :vocab], **inputs)
         counters.bump("device_fallback_steps" if launched else "device_fallback_host_reads")
         counters.gauge("device_fallback_signatures", fallback.stats["signatures"])
         if launched:  # decided on the device
