@@ -518,9 +518,20 @@ class DeviceFallback:
             logits.dim() != 2
             or logits.stride(1) != 1
             or (num_logits > 1 and logits.stride(0) < vocab)  # broadcast or overlapping rows
-            or any(not t.is_contiguous() for name, t in tensors.items() if name != "logits")
         ):
             return None
+        # one pass over the step's other tensors: vLLM's per-slot ones by name, dtype and
+        # length; the per-row / per-request ones by dtype (their length is the bucket's)
+        slot_state, dtypes = [], []
+        for name, t in tensors.items():
+            if name == "logits":
+                continue
+            if not t.is_contiguous():
+                return None
+            if name in _PERSISTENT:
+                slot_state.append((name, t.dtype, t.shape[0]))
+            else:
+                dtypes.append(t.dtype)
         k = int(step["num_speculative_steps"])
         slots = np.asarray(step["idx_mapping_np"])[:num_reqs]
         state = NativeChain._State(
@@ -529,19 +540,16 @@ class DeviceFallback:
             step.get("min_p_gpu"), step.get("min_p_np"),
         )  # fmt: skip
         limit = self.chain.max_chunk_rows or max_chunk_logits(vocab)
-        gates = self._gates(slots, state, vocab, num_logits)
+        reqs = _pow2(num_reqs)
+        rows = min(reqs * (k + 1), limit)
+        gates = self._gates(slots, state, vocab, rows)
         if gates.do_p:  # vLLM's top-p pipeline depends on the rows: the step's exact size
             reqs, rows = num_reqs, num_logits
-        else:
-            reqs = _pow2(num_reqs)
-            rows = min(reqs * (k + 1), limit)
             gates = self._gates(slots, state, vocab, rows)
         if num_logits + reqs - num_reqs > rows or rows > limit:
             return None
         return (reqs, rows, k, vocab, logits.dtype, max(int(logits.stride(0)), vocab),  # width
-                tuple((name, t.dtype, t.shape[0]) for name, t in tensors.items() if name in
-                      _PERSISTENT) + tuple(tensors[name].dtype for name in _ROWS + _REQS),
-                tensors["cu_num_logits"].dtype, gates,
+                tuple(slot_state), tuple(dtypes), gates,
                 bool(step.get("use_fp64_gumbel", False)))  # fmt: skip
 
     def _gates(self, slots: np.ndarray, state: Any, vocab: int, rows: int) -> Any:
