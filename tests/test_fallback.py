@@ -244,13 +244,16 @@ def test_device_fallback_folded(chain: NativeChain) -> None:
     shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=torch.bfloat16,
                        device="cpu")  # fmt: skip
     queued = []
-    for i, poison in enumerate([[1], [], [1], [0, 3], [], [2, 4]]):
+    for i, poison in enumerate([[1], [], [1], [0, 3], [], [], [2, 4]]):
         t, kw = _step(20 + i, 5, vocab, "cpu")
         logits = t.logits.clone()
         cu = kw["cu_num_logits_np"]
         for r in poison:
             logits[int(cu[r]), 11] = float("nan")  # request r's first row: always used
         want = chain.verify(logits, **kw)
+        bucket = next(iter(fb._buckets.values()), None)
+        if bucket is not None:  # a sentinel the body overwrites (the step's positions)
+            bucket.static["pos"].fill_(-5)
         res, fold = _folded_run(shard, fb, logits, t, kw)
         assert fold is not None
         queued.append(fold.queued)
@@ -259,7 +262,10 @@ def test_device_fallback_folded(chain: NativeChain) -> None:
             assert fb.run(res, logits, **kw) is False  # a first sighting: the host read
             continue
         _same(res, want, f"step {i}: poisoned requests {poison}")
-    assert queued == [False] + [True] * 5, queued
+        if bucket is not None:  # the body ran exactly on the steps with a flagged request
+            sentinel = bool((fb._buckets[fold.bucket].static["pos"] == -5).all())
+            assert sentinel == (not poison), (i, poison)
+    assert queued == [False] + [True] * 6, queued
     assert fb.stats["signatures"] == 1 and fb.stats["launched"] == 0, fb.stats
     # a step of another shape: its own graph and fold signature
     t, kw = _step(40, 3, vocab, "cpu")
@@ -430,6 +436,8 @@ def test_gpu_device_fallback_folded(num_reqs: int) -> None:
             outs = []
             for i in range(2):
                 got: list = []
+                for bucket in fb._buckets.values():  # a sentinel the body overwrites
+                    bucket.static["pos"].fill_(-5)
 
                 def call(logits=logits, got=got, shard=shard, fb=fb) -> None:
                     got.extend(_folded_run(shard, fb, logits, t, {**kw, "checks": False}))
@@ -443,6 +451,9 @@ def test_gpu_device_fallback_folded(num_reqs: int) -> None:
                 assert syncs == "none", (step, syncs)
                 torch.cuda.synchronize()
                 _same(res, want, f"vLLM {chain.version} {num_reqs} reqs, poisoned {poison}")
+                # the body ran exactly on the steps with a flagged request
+                sentinel = bool((fb._buckets[fold.bucket].static["pos"] == -5).all())
+                assert sentinel == (not poison) or (step, i) == (0, 1), (step, i, poison)
                 outs.append([x.clone() for x in res[:3]])
             if len(outs) == 2:
                 assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True)), poison

@@ -72,6 +72,15 @@ kernels read the logits directly (strict mode's block statistics, the level hist
 steps: :func:`reads_logits_directly`) replay on a static copy of the logits, copied in before
 each replay.
 
+**Epilogues.** A caller may hand a step an :class:`Epilogue`: work the device runs behind the
+step's kernels only when a predicate it computes from the step's outputs says so (the vLLM
+plug-in's device fallback: vLLM's chain on the step where a request was flagged). At TP 1 the
+signature's output slots are then captured as one conditional graph each
+(:class:`~shardmax.runtime.conditional.IfGraph`: ``table_fetch`` -> the plan's launches -> the
+predicate -> IF { the epilogue's body }), the epilogue's words appended to the slot's table and
+fetched with it: still one table write and one launch per step, no host read. Steps that do not
+replay from a slot (eager, copy-out, TP > 1) leave the epilogue unqueued for the caller.
+
 Every captured step is bit-identical to the eager ``run`` on the same inputs (the GPU checks
 compare them); the plain path is not replayed (:meth:`GraphedStep.supported`).
 """
@@ -256,6 +265,7 @@ class _Captured:
         self.plan, self.device = plan, dev
         # the signature's epilogue (its slots' conditional node; the copy-out graph has none)
         self.epilogue = epilogue
+        self.folded = False  # whether the slots run it (set by _setup)
         self.fold_at = 0  # where its words start in the tables (after the outputs' entries)
         # the batch's tensors, by position in the StepBatch: the table's input entries
         self.fields = [i for i, t in enumerate(batch) if type(t) is torch.Tensor]
@@ -328,18 +338,32 @@ class _Captured:
         self._first = first  # the interpreter's table points at them until a run
         del res, first
         if _use_count is not None and self.outputs:
-            try:
-                slots = [self._slot() for _ in range(SLOTS)]
-            except Exception as e:  # e.g. out of memory: the copy-out graph alone
-                warnings.warn(
-                    f"shardmax: output slots of {type(self.plan).__name__} not captured "
-                    f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); its steps copy out",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                slots = []
+            slots = self._slots()
+            if not slots and self.epilogue is not None:  # slots without it, rather than none
+                self.epilogue = None
+                slots = self._slots()
             if all(slot.exclusive() for slot in slots):  # else every step copies out
                 self.slots = slots
+        # whether the slots run the epilogue; the capture step's epilogue itself (its tensors:
+        # the step's logits among them) is not kept
+        self.folded = self.epilogue is not None and bool(self.slots)
+        self.epilogue = None
+
+    def _slots(self) -> list[_Slot]:
+        """:data:`SLOTS` new output slots (with the epilogue, if any), or none where one
+        cannot be made (warned)."""
+        try:
+            return [self._slot() for _ in range(SLOTS)]
+        except Exception as e:  # e.g. out of memory, or an epilogue that cannot be captured
+            what = "with their epilogue" if self.epilogue is not None else ""
+            then = "they run without it" if self.epilogue is not None else "its steps copy out"
+            warnings.warn(
+                f"shardmax: output slots of {type(self.plan).__name__} not captured {what}"
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); {then}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return []
 
     def _slot(self) -> _Slot:
         """A new output slot: its host table (page-locked on a GPU, so the GPU reads it in
@@ -450,6 +474,8 @@ class _Captured:
             return self.make(outs)
         # the slot's own table, read by its graph in place: no copy call
         self._fill(slot.host, logits, batch, () if slot.graph is not None else slot.static)
+        if not self.folded:
+            epilogue = None  # (its capture failed: the slots run the step alone)
         if epilogue is not None:  # this step's words (its own tensors, the slot's outputs)
             epilogue.write(slot.host[self.fold_at :], self.make(slot.static))
         if self.static_logits is not None:
@@ -501,8 +527,11 @@ class Epilogue(Protocol):
     ) -> tuple[Callable[[], torch.Tensor], Callable[[], Any]]:
         """``(predicate, body)`` of one slot: ``table`` is the device view of its words,
         ``result`` the slot's outputs. ``predicate()`` launches what decides (a one-element bool
-        / uint8 CUDA tensor, nonzero = run), ``body()`` the work; both are captured (and run
-        once eagerly as a warm-up) and must be capturable."""
+        / uint8 tensor, nonzero = run), ``body()`` the work. On CUDA both are captured and run
+        once eagerly before (``IfGraph`` 's warm-up; ``capture`` is called for the warm-up and
+        again for the capture, the second pair kept), so they must be capturable; off CUDA
+        they run eagerly on each step of the slot (the predicate read on the host). Raising
+        here makes the signature's slots without the epilogue (warned)."""
 
 
 class _FoldedGraph:

@@ -25,7 +25,18 @@ whatever the flags say: no copy call. Measured (H100, ``benchmarks.host_costs --
 that second call after the replayed step still costs 95-190 us of host time (checks, signature
 and table in Python, then 22-42 us for the conditional graph's launch with the GPU busy) and
 20-24 us of GPU time: its step gets 1-7 % fewer tokens/s than vLLM's chain at T = 1
-(though more than the host-read path at most row counts), so the plug-in keeps it opt-in. As in :mod:`shardmax.runtime.graphs`, a table is
+(though more than the host-read path at most row counts).
+
+**Folded into the replayed step** (:meth:`DeviceFallback.fold`): the same prologue and body as
+an epilogue of the step's own replayed graph (:class:`shardmax.runtime.graphs.Epilogue`): the
+output slot's graph runs ``table_fetch`` -> shardmax's kernels -> ``any`` of the slot's own
+flags -> IF { the body }, the fallback's words fetched with the step's (the body first merges
+them with its bucket's static addresses, on the device). No second call, no second table, no
+flag copy: what the fold adds to a replayed step is its signature and table words on the host
+(~20 us on the CI machine's host) and one reduction and a conditional node on the GPU. The
+plug-in offers it first (``$SHARDMAX_VLLM_DEVICE_FALLBACK=1``) and calls :meth:`run` only on
+steps that did not replay from a slot (a new signature's eager steps, copy-out steps). As in
+:mod:`shardmax.runtime.graphs`, a table is
 rewritten only once the GPU has acknowledged its last step; a step that finds none of its
 signature's tables acknowledged (the host ran :data:`SLOTS` steps ahead) returns False, and the
 caller reads the flags.
@@ -49,7 +60,8 @@ double-buffers them, their address alternates from step to step) and the chain's
 gates are the step's). Steps with top-p rows run at their exact size (vLLM picks its top-p
 pipeline by the row count). A signature runs the host-read path (the caller's) until it repeats
 ``capture_after`` times, then is captured (at most :data:`MAX_GRAPHS` per fallback, least
-recently used out). The static logits buffer is shared by the signatures of one vocabulary,
+recently used out; a folded signature -- :meth:`DeviceFallback.fold` -- is captured when the
+replayed step's graph is, and its graphs keep its bucket alive while they live). The static logits buffer is shared by the signatures of one vocabulary,
 dtype and row width (the largest a live signature holds; the graphs replay in stream order: one
 fallback serves one CUDA stream). The first launch of a signature captures its graphs; each
 capture runs prologue and body once eagerly (``IfGraph`` 's warm-up) on a table that copies no
@@ -242,7 +254,7 @@ class _Fold:
     """One step's device fallback as an epilogue of its replayed graph
     (:class:`shardmax.runtime.graphs.Epilogue`; made by :meth:`DeviceFallback.fold`)."""
 
-    __slots__ = ("fallback", "key", "num_reqs", "queued", "step", "tensors")
+    __slots__ = ("bucket", "fallback", "key", "num_reqs", "queued", "step", "tensors")
     words = _WORDS
 
     def __init__(
@@ -253,7 +265,8 @@ class _Fold:
         num_reqs: int,
         step: dict[str, Any],
     ) -> None:
-        self.fallback, self.key, self.tensors = fallback, key, tensors
+        self.fallback, self.bucket, self.tensors = fallback, key, tensors
+        self.key = (id(fallback), key)  # another fallback's graphs are not this one's
         self.num_reqs, self.step = num_reqs, step
         self.queued = False
 
@@ -432,6 +445,9 @@ class DeviceFallback:
         key = self._key(logits, tensors, step, num_reqs)
         if key is None:
             return None
+        with self._lock:  # a bucket in use stays at the recent end (its graphs hold it anyway)
+            if key in self._buckets:
+                self._buckets.move_to_end(key)
         return _Fold(self, key, tensors, num_reqs, step)
 
     def _folded(
@@ -447,10 +463,10 @@ class DeviceFallback:
                     f"{t.dtype} of strides {t.stride()}"
                 )
         with self._lock:
-            b = self._buckets.get(fold.key)
+            b = self._buckets.get(fold.bucket)
             if b is None:
-                b = self._new_bucket(fold.key, fold.tensors["logits"], fold.tensors)
-            self._buckets.move_to_end(fold.key)
+                b = self._new_bucket(fold.bucket, fold.tensors["logits"], fold.tensors)
+            self._buckets.move_to_end(fold.bucket)
         flags = result.fallback
         inner = self._body(b, b.table, fold.step, fold.num_reqs)
 
@@ -572,7 +588,8 @@ class DeviceFallback:
         vocabulary, dtype and row stride (grown, never shrunk, to the largest bucket)."""
         reqs, rows, _, vocab, dtype, width = key[:6]
         # the largest buffer a live bucket of this vocabulary, dtype and width holds (evicted
-        # buckets free theirs; a larger bucket gets a new one, the older ones keep theirs)
+        # buckets free theirs once no folded graph holds them; a larger bucket gets a new one,
+        # the older ones keep theirs)
         shared = max(
             (
                 b.logits_base
