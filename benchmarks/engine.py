@@ -41,7 +41,7 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
    * ``shardmax+fold`` (where ``shardmax+device`` is): the same decision inside the step's own
      replayed graph (``DeviceFallback.fold`` as the epilogue of ``shard.graphed(plan).run``:
      one launch, one table, the predicate and vLLM's chain a conditional node behind the step's
-     kernels) -- the plug-in's call with ``SHARDMAX_VLLM_DEVICE_FALLBACK=1``;
+     kernels) -- the plug-in's TP-1 temperature call (its default on CUDA);
    * ``shardmax-hist+resolve`` (top-p traffic): the same with the top-p rows verified from level
      histograms (``VocabShard.verify(rows, topp=pipeline_for(rows, "cuda", version))``, replayed
      from its CUDA graphs on a static copy of the logits: the plug-in's top-p call) instead of

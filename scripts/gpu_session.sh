@@ -63,6 +63,7 @@
 #                                   loop
 #   bash scripts/gpu_session.sh FP  one H200: the device fallback's GPU tests, then its host cost
 #                                   by part with a cProfile of its run
+#   bash scripts/gpu_session.sh FM  one H200: the GPU memory the folded device fallback holds
 #   bash scripts/gpu_session.sh HP  one H200: the host's elementary costs (the flag read, a graph
 #                                   replay, a launch; PROFILE=1: host profiles of the plug-in's
 #                                   replayed call and of a resolving top-p step)
@@ -779,6 +780,15 @@ FP)
   timeout "$(left 420)" python3 -m benchmarks.host_costs --only-fallback \
     --out "$OUT/host_costs_fallback" >"$OUT/fallback_parts.log" 2>&1
   echo "  rc=$?"; grep -E "^temperature|stats|tottime|^ +[0-9]" "$OUT/fallback_parts.log" | head -90
+  ;;
+FM)
+  # the GPU memory the folded device fallback holds (benchmarks.fallback_memory), after the
+  # plug-in's helper test
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "device fallback memory"
+  timeout "$(left 400)" python3 -m benchmarks.fallback_memory \
+    --out "$OUT/fallback_memory" >"$OUT/fallback_memory.log" 2>&1
+  echo "  rc=$?"; grep -E "^rows=|^\||Error" "$OUT/fallback_memory.log" | head -30
   ;;
 RA)
   # after a change of resolve_apply / the host read: the host read's GPU test, the resolution

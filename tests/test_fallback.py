@@ -461,19 +461,37 @@ def test_gpu_device_fallback_folded(num_reqs: int) -> None:
 
 
 def test_plugin_device_fallback_only_where_it_can_run(monkeypatch) -> None:
-    """The plug-in's helper: None unless opted in, without a resolver, off CUDA, or with graphs
-    off."""
-    from shardmax.integrations.vllm import step
+    """The plug-in's helper: on by default on CUDA; None when turned off, without a resolver,
+    off CUDA, with graphs off or where conditional graphs are unavailable; a bad value raises."""
+    from shardmax.integrations.vllm import fallback, step
 
+    cuda = torch.device("cuda", 0)
     monkeypatch.setattr(step, "_FALLBACK", [])
-    monkeypatch.setattr(step, "resolver", lambda: object())
+    monkeypatch.setattr(step, "resolver", lambda: chain)
     monkeypatch.delenv(step.ENV_DEVICE_FALLBACK, raising=False)
-    assert step.device_fallback(torch.device("cuda", 0)) is None  # opt-in
+    monkeypatch.delenv(step.ENV_GRAPHS, raising=False)
+    chain = CHAINS[0] if CHAINS else object()
+    # conditional graphs available (this machine has no GPU: the check is stubbed)
+    monkeypatch.setattr(fallback.DeviceFallback, "unavailable", lambda self, device: None)
+    got = step.device_fallback(cuda)  # on by default
+    assert isinstance(got, fallback.DeviceFallback) and got.chain is chain
+    assert step.device_fallback(cuda) is got  # one per process
+    for off in ("0", "off", "false"):
+        monkeypatch.setenv(step.ENV_DEVICE_FALLBACK, off)
+        assert step.device_fallback(cuda) is None
+    monkeypatch.setenv(step.ENV_DEVICE_FALLBACK, "maybe")
+    with pytest.raises(ValueError, match="SHARDMAX_VLLM_DEVICE_FALLBACK"):
+        step.device_fallback(cuda)
+    monkeypatch.setattr(step, "_FALLBACK", [])
     monkeypatch.setenv(step.ENV_DEVICE_FALLBACK, "1")
     monkeypatch.setattr(step, "resolver", lambda: None)
-    assert step.device_fallback(torch.device("cuda", 0)) is None
-    monkeypatch.setattr(step, "resolver", lambda: object())
+    assert step.device_fallback(cuda) is None
+    monkeypatch.setattr(step, "resolver", lambda: chain)
     assert step.device_fallback(torch.device("cpu")) is None
     monkeypatch.setenv(step.ENV_GRAPHS, "0")
-    assert step.device_fallback(torch.device("cuda", 0)) is None
+    assert step.device_fallback(cuda) is None
     assert step._FALLBACK == []
+    # conditional graphs unavailable: the flags read on the host (said once)
+    monkeypatch.delenv(step.ENV_GRAPHS)
+    monkeypatch.setattr(fallback.DeviceFallback, "unavailable", lambda self, device: "old driver")
+    assert step.device_fallback(cuda) is None and step._FALLBACK == [None]

@@ -554,19 +554,34 @@ def resolver() -> Any:
 
 def device_fallback(device: torch.device) -> Any:
     """The device-decided fallback of TP-1 temperature steps
-    (:class:`shardmax.integrations.vllm.fallback.DeviceFallback`: vLLM's chain on the whole step
-    inside a conditional CUDA graph, run only when the step flagged a request; no host read of
-    the flags), or None: no resolver (:func:`resolver`), not a CUDA device (unless ``emulate``),
-    ``$SHARDMAX_VLLM_GRAPHS=0``, or conditional graphs unavailable here (the reason logged once).
-    Made once per process; only TP 1 calls it (the chain needs the full logits). Opt-in with
-    ``$SHARDMAX_VLLM_DEVICE_FALLBACK=1``: its GPU tests pass (H200, H100), but in the engine loop
-    its step gets 1-7 % fewer tokens/s than vLLM's chain at T = 1 on an H100 (its extra call's
-    host and GPU time: ``benchmarks/results/sm90/engine_device_fallback``). ``emulate`` (tests, CPU engines): the same tables and kernels run
-    eagerly, the predicate read on the host (a sync, so no speed to gain), so that a CPU engine
-    exercises the fallback's signatures and answers."""
-    flag = os.environ.get(ENV_DEVICE_FALLBACK, "0").strip().lower()
+    (:class:`shardmax.integrations.vllm.fallback.DeviceFallback`: vLLM's chain on the whole step,
+    run by the device only when the step flagged a request; no host read of the flags), or
+    None: no resolver (:func:`resolver`), not a CUDA device (unless ``emulate``),
+    ``$SHARDMAX_VLLM_GRAPHS=0``, conditional graphs unavailable here (the reason logged once), or
+    ``$SHARDMAX_VLLM_DEVICE_FALLBACK=0``. Made once per process; only TP 1 calls it (the chain
+    needs the full logits). On by default (``auto``) since it runs folded into the step's own
+    replayed graph (:meth:`~shardmax.integrations.vllm.fallback.DeviceFallback.fold`): in the
+    engine loop on an H100 its step gets 17-24 % more tokens/s than the host read it replaces
+    and 1.7-15.5 % more than vLLM's chain at T = 1, == vLLM on every request
+    (``benchmarks/results/sm90/engine_fold``); its cost is GPU memory held by its graphs (a
+    static copy of the largest bucket's logits, and vLLM's chain's temporaries in the graphs'
+    pool). ``emulate`` (tests, CPU engines): the same tables and kernels run eagerly, the
+    predicate read on the host (a sync, so no speed to gain), so that a CPU engine exercises the
+    fallback's signatures and answers.
+
+    Raises:
+        ValueError: ``$SHARDMAX_VLLM_DEVICE_FALLBACK`` not one of ``auto`` / ``1`` / ``0`` /
+            ``emulate`` (or ``true`` / ``on`` / ``yes`` / ``false`` / ``off`` / ``no``).
+    """
+    raw = os.environ.get(ENV_DEVICE_FALLBACK, "auto").strip().lower() or "auto"
+    flag = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}.get(raw, raw)
+    if flag not in ("auto", "1", "0", "emulate"):
+        raise ValueError(
+            f"{ENV_DEVICE_FALLBACK}={os.environ.get(ENV_DEVICE_FALLBACK)!r}: expected one of "
+            "('auto', '1', '0', 'emulate')"
+        )
     emulate = flag == "emulate"
-    if flag not in ("1", "true", "on", "yes") and not emulate:
+    if flag == "0":
         return None
     chain = resolver()
     if chain is None or (device.type != "cuda" and not emulate):
