@@ -564,8 +564,9 @@ def device_fallback(device: torch.device) -> Any:
     engine loop on an H100 its step gets 17-24 % more tokens/s than the host read it replaces
     and 1.7-15.5 % more than vLLM's chain at T = 1, == vLLM on every request
     (``benchmarks/results/sm90/engine_fold``); its cost is GPU memory held by its graphs (a
-    static copy of the largest bucket's logits, and vLLM's chain's temporaries in the graphs'
-    pool). ``emulate`` (tests, CPU engines): the same tables and kernels run eagerly, the
+    static copy of the largest bucket's logits: 1.5-196 MiB at 4-512 rows of V = 200064 bf16,
+    ``benchmarks/results/sm90/fallback_memory``; and vLLM's chain's temporaries in the graphs'
+    pool where its gates make any: temperatures other than 1, top-k, min-p). ``emulate`` (tests, CPU engines): the same tables and kernels run eagerly, the
     predicate read on the host (a sync, so no speed to gain), so that a CPU engine exercises the
     fallback's signatures and answers.
 
