@@ -42,6 +42,9 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
      replayed graph (``DeviceFallback.fold`` as the epilogue of ``shard.graphed(plan).run``:
      one launch, one table, the predicate and vLLM's chain a conditional node behind the step's
      kernels) -- the plug-in's TP-1 temperature call (its default on CUDA);
+   * ``shardmax-hist+fold`` (top-p traffic, TP 1): the histogram plan with the folded device
+     fallback (vLLM's chain on the step, at its exact size, where a request is flagged; no
+     host read) -- the plug-in's TP-1 top-p call on CUDA;
    * ``shardmax-hist+resolve`` (top-p traffic): the same with the top-p rows verified from level
      histograms (``VocabShard.verify(rows, topp=pipeline_for(rows, "cuda", version))``, replayed
      from its CUDA graphs on a static copy of the logits: the plug-in's top-p call) instead of
@@ -587,6 +590,11 @@ def _run(
                     paths["shardmax-hist+resolve"] = _shardmax_step(
                         traffic, mix, prefill, (resolver, kw), topp=config, rank=me
                     )
+                    if fallback is not None and me is None:  # the plug-in's TP-1 top-p call
+                        paths["shardmax-hist+fold"] = _shardmax_step(
+                            traffic, mix, prefill, (resolver, kw), topp=config,
+                            device=fallback, fold=True,
+                        )  # fmt: skip
                 paths["vllm"] = _vllm_step(traffic, chain, kw, rank=me)
             same = resolved_note = ""
             device_notes: dict[str, str] = {}
@@ -600,7 +608,7 @@ def _run(
                         f"{bad_r} of {reqs} requests differ from vLLM after resolving "
                         f"{flagged} ({left} left flagged)"
                     )
-                for name in ("shardmax+device", "shardmax+fold"):
+                for name in ("shardmax+device", "shardmax+fold", "shardmax-hist+fold"):
                     if name not in paths or fallback is None:
                         continue
                     dev_step = paths[name]
@@ -632,6 +640,7 @@ def _run(
                     "shardmax+device",
                     "shardmax+fold",
                     "shardmax-hist+resolve",
+                    "shardmax-hist+fold",
                 ):
                     if name in paths:
                         _profile(paths[name], f"{name} {mix} rows={reqs * (args.k + 1)}",
@@ -650,7 +659,8 @@ def _run(
                 row["gpu_us_graph"] = (
                     "replayed" if path == "shardmax"
                     else "replayed (conditional graph)" if path == "shardmax+device"
-                    else "replayed (folded conditional node)" if path == "shardmax+fold"
+                    else "replayed (folded conditional node)"
+                    if path in ("shardmax+fold", "shardmax-hist+fold")
                     else "n/a at TP > 1" if world > 1
                     else _graph_gpu_us(step)
                 )  # fmt: skip
@@ -781,6 +791,10 @@ def summary(results: list[dict[str, Any]]) -> str:
         "shardmax+fold": ("The device fallback folded into the replayed step (issue 19)",
                           "One graph launch: the step's kernels, then the predicate and vLLM's "
                           "chain as a conditional node (`shardmax+fold`)"),
+        "shardmax-hist+fold": ("The folded device fallback behind level-histogram top-p",
+                               "The plug-in's TP-1 top-p call: the histogram plan replayed, "
+                               "vLLM's chain on the step where a request is flagged, no host "
+                               "read (`shardmax-hist+fold`)"),
     }  # fmt: skip
     for name, (title, what) in titles.items():
         calls = [(k, r) for k, r in by.items() if k[2] == name]

@@ -64,6 +64,8 @@
 #   bash scripts/gpu_session.sh FP  one H200: the device fallback's GPU tests, then its host cost
 #                                   by part with a cProfile of its run
 #   bash scripts/gpu_session.sh FM  one H200: the GPU memory the folded device fallback holds
+#   bash scripts/gpu_session.sh FT  one H200: the fallback GPU tests, then the engine loop on
+#                                   top-p traffic (the folded fallback behind histogram top-p)
 #   bash scripts/gpu_session.sh HP  one H200: the host's elementary costs (the flag read, a graph
 #                                   replay, a launch; PROFILE=1: host profiles of the plug-in's
 #                                   replayed call and of a resolving top-p step)
@@ -780,6 +782,21 @@ FP)
   timeout "$(left 420)" python3 -m benchmarks.host_costs --only-fallback \
     --out "$OUT/host_costs_fallback" >"$OUT/fallback_parts.log" 2>&1
   echo "  rc=$?"; grep -E "^temperature|stats|tottime|^ +[0-9]" "$OUT/fallback_parts.log" | head -90
+  ;;
+FT)
+  # the folded fallback on top-p steps: the fallback GPU tests (the top-p fold's among them),
+  # then the engine loop on top-p traffic (shardmax-hist+fold: the plug-in's TP-1 top-p call)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "device fallback GPU tests"
+  timeout "$(left 200)" python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_fallback.py \
+    >"$OUT/fallback_FT.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E |\[folded" "$OUT/fallback_FT.log" | tail -14
+  stamp "engine loop, top-p traffic"
+  timeout "$(left 540)" python3 -m benchmarks.engine --steps 100 --mixes top_p \
+    --out "$OUT/engine" >"$OUT/engine_FT.log" 2>&1
+  echo "  rc=$?"; grep -E "^top_p .*(hist|vllm )|Error" "$OUT/engine_FT.log" | head -30
+  tar -czf "$OUT/FT.tar.gz" -C "$OUT" engine 2>/dev/null
+  rm -rf "$OUT/engine"
   ;;
 FM)
   # the GPU memory the folded device fallback holds (benchmarks.fallback_memory), after the

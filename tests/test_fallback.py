@@ -212,20 +212,21 @@ def test_device_fallback_buckets(chain: NativeChain) -> None:
     assert fb.stats["signatures"] == 3, fb.stats
 
 
-def _folded_run(shard, fb: DeviceFallback, logits: torch.Tensor, t, kw: dict):
+def _folded_run(shard, fb: DeviceFallback, logits: torch.Tensor, t, kw: dict, topp=None):
     """The plug-in's TP-1 sampled step with the fallback folded into the replayed graph: the
-    fold made first, then the shard's replayed plan with it as the epilogue. Returns (result,
-    fold)."""
+    fold made first, then the shard's replayed plan (``topp``: its level-histogram top-p
+    pipeline) with it as the epilogue. Returns (result, fold)."""
     from shardmax.runtime.validation import check_step_batch
 
     rows = logits.shape[0]
     batch = check_step_batch(
         rows, logits.device, t.draft_sampled, t.cu_num_logits, t.pos, t.idx_mapping,
         t.expanded_local_pos, t.seed, 3, None, kw["seq_lens"], kw["prefill_len"],
-        temperature=t.temperature,
+        temperature=t.temperature, top_p=t.top_p if topp is not None else None,
     )  # fmt: skip
     fold = fb.fold(logits, **kw)
-    return shard.graphed(shard.verify(rows)).run(logits, batch, fold), fold
+    plan = shard.verify(rows, topp=topp)
+    return shard.graphed(plan).run(logits, batch, fold), fold
 
 
 @pytest.mark.e2e
@@ -286,6 +287,41 @@ def test_device_fallback_folded(chain: NativeChain) -> None:
     assert fb.fold(t.logits, **kw, **synthetic) is None
     empty, kw_empty = _sub_step(t.logits, kw, [])
     assert fb.fold(empty, **kw_empty) is None
+
+
+@pytest.mark.e2e
+@by_version
+def test_device_fallback_folded_topp(chain: NativeChain) -> None:
+    """The folded fallback behind the level-histogram top-p plan (CPU: vLLM's CPU pipeline
+    for the step's rows): top_p = 0.95 traffic with a request the replay itself flags and
+    NaN-poisoned ones; every replayed step == vLLM's chain on every request, no flag left."""
+    from shardmax.plan import VocabShard
+    from shardmax.reference.nucleus_replay import pipeline_for
+    from shardmax.runtime.topp_tables import set_sigma_table
+
+    vocab = 1024
+    t = realistic_batch(5, 3, vocab, seed=3, mix="top_p")
+    kw = verify_inputs(t)
+    cu = kw["cu_num_logits_np"]
+    set_sigma_table(list(chain.modules.topk_topp._NORMAL_CDF_TO_SIGMA_TABLE))
+    try:
+        config = pipeline_for(t.logits.shape[0], "cpu", chain.version)
+        fb = DeviceFallback(chain, emulate=True)
+        shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=t.logits.dtype,
+                           device="cpu")  # fmt: skip
+        for step, poison in enumerate([[], [], [1], [0, 4]]):
+            logits = t.logits.clone()
+            for r in poison:
+                logits[int(cu[r]), 11] = float("nan")
+            want = chain.verify(logits, **kw)
+            res, fold = _folded_run(shard, fb, logits, t, kw, topp=config)
+            assert fold is not None and fold.queued == (step > 0), step
+            if step == 0:  # eager: the replay's own flag (this batch has one)
+                assert bool(res.fallback.any())
+                continue
+            _same(res, want, f"top-p step {step}, poisoned {poison}")
+    finally:
+        set_sigma_table(None)
 
 
 @pytest.mark.e2e
@@ -458,6 +494,63 @@ def test_gpu_device_fallback_folded(num_reqs: int) -> None:
             if len(outs) == 2:
                 assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True)), poison
         print(f"[folded fallback] vLLM {chain.version} {num_reqs} requests: {fb.stats}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_reqs", [8, 24, 128])
+def test_gpu_device_fallback_folded_topp(num_reqs: int) -> None:
+    """On the GPU: the folded fallback behind the level-histogram top-p plan (the plug-in's
+    top-p call; T = 1, top_p = 0.95 traffic): vLLM's chain on the step at its exact size (its
+    top-p pipeline for the step's rows) where a request is flagged (poisoned with a NaN, or
+    flagged by the replay itself). Per vLLM version, each step twice (bits compared), == vLLM's
+    chain on every request, no flag left, no host sync on a replayed step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not CHAINS:
+        pytest.skip("no vLLM chain tree (scripts/vllm_kernels.sh)")
+    from shardmax.plan import VocabShard
+    from shardmax.reference.nucleus_replay import pipeline_for
+    from shardmax.runtime.topp_tables import set_sigma_table
+    from shardmax.testing.syncs import host_syncs
+
+    vocab = 200064
+    t = realistic_batch(num_reqs, 3, vocab, seed=num_reqs, mix="top_p", device="cuda")
+    kw = verify_inputs(t)
+    cu = kw["cu_num_logits_np"]
+    rows = t.logits.shape[0]
+    for chain in CHAINS:
+        set_sigma_table(list(chain.modules.topk_topp._NORMAL_CDF_TO_SIGMA_TABLE))
+        config = pipeline_for(rows, "cuda", chain.version)
+        fb = DeviceFallback(chain)
+        shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=t.logits.dtype,
+                           device=t.logits.device)  # fmt: skip
+        for step, poison in enumerate([[], [], [1], [0, num_reqs - 1], []]):
+            logits = t.logits.clone()
+            for r in poison:
+                logits[int(cu[r]), 11] = float("nan")
+            want = chain.verify(logits, **kw)
+            outs = []
+            for i in range(2):
+                got: list = []
+
+                def call(logits=logits, got=got, shard=shard, fb=fb, config=config) -> None:
+                    got.extend(
+                        _folded_run(shard, fb, logits, t, {**kw, "checks": False}, topp=config)
+                    )
+
+                syncs = host_syncs(call) if step >= 1 else (call(), "none")[1]
+                res, fold = got
+                assert fold is not None and fold.queued == (step + i > 0), (step, i)
+                if not fold.queued:
+                    continue
+                assert syncs == "none", (step, syncs)
+                torch.cuda.synchronize()
+                _same(res, want, f"vLLM {chain.version} top-p {num_reqs} reqs, poisoned {poison}")
+                outs.append([x.clone() for x in res[:3]])
+            if len(outs) == 2:
+                assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True)), poison
+        set_sigma_table(None)
+        print(f"[folded fallback top-p] vLLM {chain.version} {num_reqs} requests: {fb.stats}")
 
 
 def test_plugin_device_fallback_only_where_it_can_run(monkeypatch) -> None:

@@ -721,7 +721,9 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     if nucleus:
         counters.bump("topp_histogram_steps" if topp is not None else "nucleus_candidate_steps")
     fallback = device_fallback(local_logits.device) if shard.geometry.tp == 1 else None
-    if fallback is None or topp is not None or nucleus:
+    # not on the candidate path's top-k / top-p steps: they flag a request on most steps
+    # (18-26 %, FLAGS.md), each of which would run vLLM's whole chain
+    if fallback is None or (nucleus and topp is None):
         res = _run(shard, plan, local_logits, batch)
     else:
         vocab = int(st.vocab_size)
