@@ -440,6 +440,54 @@ def test_gpu_device_fallback(num_reqs: int) -> None:
         print(f"[device fallback] vLLM {chain.version} {num_reqs} requests: {fb.stats}")
 
 
+def _gpu_folded_steps(chain, t, kw: dict, poisons: list[list[int]], topp=None, sentinel=True):
+    """The GPU checks of the folded fallback on steps of ``t`` (a fresh fallback and shard):
+    per step the requests in ``poisons[step]`` get a NaN in their first row; each step runs
+    twice (bits compared); the signature's first call runs eagerly, the later ones replay
+    with the fold queued, no host sync, == vLLM's chain on every request, no flag left.
+    ``sentinel``: the body ran exactly on the poisoned steps (a value in the bucket's static
+    positions that only the body overwrites). Returns the fallback's stats."""
+    from shardmax.plan import VocabShard
+    from shardmax.testing.syncs import host_syncs
+
+    fb = DeviceFallback(chain)
+    assert fb.unavailable(t.logits.device) is None
+    vocab = t.logits.shape[1]
+    shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=t.logits.dtype,
+                       device=t.logits.device)  # fmt: skip
+    cu = kw["cu_num_logits_np"]
+    for step, poison in enumerate(poisons):
+        logits = t.logits.clone()
+        for r in poison:
+            logits[int(cu[r]), 11] = float("nan")
+        want = chain.verify(logits, **kw)
+        outs = []
+        for i in range(2):
+            got: list = []
+            for bucket in fb._buckets.values():  # a sentinel the body overwrites
+                bucket.static["pos"].fill_(-5)
+
+            def call(logits=logits, got=got) -> None:
+                got.extend(_folded_run(shard, fb, logits, t, {**kw, "checks": False}, topp))
+
+            syncs = host_syncs(call) if step >= 1 else (call(), "none")[1]
+            res, fold = got
+            # the signature's first call runs eagerly, its second captures
+            assert fold is not None and fold.queued == (step + i > 0), (step, i)
+            if not fold.queued:
+                continue
+            assert syncs == "none", (step, syncs)
+            torch.cuda.synchronize()
+            _same(res, want, f"vLLM {chain.version} {t.logits.shape[0]} rows, poisoned {poison}")
+            if sentinel and (step, i) != (0, 1):  # (the capture's warm-up runs the body)
+                ran = not bool((fb._buckets[fold.bucket].static["pos"] == -5).all())
+                assert ran == bool(poison), (step, i, poison)
+            outs.append([x.clone() for x in res[:3]])
+        if len(outs) == 2:
+            assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True)), poison
+    return fb.stats
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_reqs", [1, 8, 24])
 def test_gpu_device_fallback_folded(num_reqs: int) -> None:
@@ -451,49 +499,12 @@ def test_gpu_device_fallback_folded(num_reqs: int) -> None:
         pytest.skip("needs a CUDA GPU")
     if not CHAINS:
         pytest.skip("no vLLM chain tree (scripts/vllm_kernels.sh)")
-    from shardmax.plan import VocabShard
-    from shardmax.testing.syncs import host_syncs
-
-    vocab = 200064
-    t, kw = _step(num_reqs, num_reqs, vocab, "cuda")
-    cu = kw["cu_num_logits_np"]
+    t, kw = _step(num_reqs, num_reqs, 200064, "cuda")
     gen = np.random.default_rng(num_reqs)
     some = sorted(gen.choice(num_reqs, size=max(1, num_reqs // 3), replace=False).tolist())
     for chain in CHAINS:
-        fb = DeviceFallback(chain)
-        assert fb.unavailable(t.logits.device) is None
-        shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=t.logits.dtype,
-                           device=t.logits.device)  # fmt: skip
-        for step, poison in enumerate([[], [], [0], some, list(range(num_reqs)), []]):
-            logits = t.logits.clone()
-            for r in poison:
-                logits[int(cu[r]), 11] = float("nan")
-            want = chain.verify(logits, **kw)
-            outs = []
-            for i in range(2):
-                got: list = []
-                for bucket in fb._buckets.values():  # a sentinel the body overwrites
-                    bucket.static["pos"].fill_(-5)
-
-                def call(logits=logits, got=got, shard=shard, fb=fb) -> None:
-                    got.extend(_folded_run(shard, fb, logits, t, {**kw, "checks": False}))
-
-                syncs = host_syncs(call) if step >= 1 else (call(), "none")[1]
-                res, fold = got
-                # the signature's first call runs eagerly, its second captures
-                assert fold is not None and fold.queued == (step + i > 0), (step, i)
-                if not fold.queued:
-                    continue
-                assert syncs == "none", (step, syncs)
-                torch.cuda.synchronize()
-                _same(res, want, f"vLLM {chain.version} {num_reqs} reqs, poisoned {poison}")
-                # the body ran exactly on the steps with a flagged request
-                sentinel = bool((fb._buckets[fold.bucket].static["pos"] == -5).all())
-                assert sentinel == (not poison) or (step, i) == (0, 1), (step, i, poison)
-                outs.append([x.clone() for x in res[:3]])
-            if len(outs) == 2:
-                assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True)), poison
-        print(f"[folded fallback] vLLM {chain.version} {num_reqs} requests: {fb.stats}")
+        stats = _gpu_folded_steps(chain, t, kw, [[], [], [0], some, list(range(num_reqs)), []])
+        print(f"[folded fallback] vLLM {chain.version} {num_reqs} requests: {stats}")
 
 
 @pytest.mark.gpu
@@ -508,49 +519,19 @@ def test_gpu_device_fallback_folded_topp(num_reqs: int) -> None:
         pytest.skip("needs a CUDA GPU")
     if not CHAINS:
         pytest.skip("no vLLM chain tree (scripts/vllm_kernels.sh)")
-    from shardmax.plan import VocabShard
     from shardmax.reference.nucleus_replay import pipeline_for
     from shardmax.runtime.topp_tables import set_sigma_table
-    from shardmax.testing.syncs import host_syncs
 
-    vocab = 200064
-    t = realistic_batch(num_reqs, 3, vocab, seed=num_reqs, mix="top_p", device="cuda")
+    t = realistic_batch(num_reqs, 3, 200064, seed=num_reqs, mix="top_p", device="cuda")
     kw = verify_inputs(t)
-    cu = kw["cu_num_logits_np"]
-    rows = t.logits.shape[0]
     for chain in CHAINS:
         set_sigma_table(list(chain.modules.topk_topp._NORMAL_CDF_TO_SIGMA_TABLE))
-        config = pipeline_for(rows, "cuda", chain.version)
-        fb = DeviceFallback(chain)
-        shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=t.logits.dtype,
-                           device=t.logits.device)  # fmt: skip
-        for step, poison in enumerate([[], [], [1], [0, num_reqs - 1], []]):
-            logits = t.logits.clone()
-            for r in poison:
-                logits[int(cu[r]), 11] = float("nan")
-            want = chain.verify(logits, **kw)
-            outs = []
-            for i in range(2):
-                got: list = []
-
-                def call(logits=logits, got=got, shard=shard, fb=fb, config=config) -> None:
-                    got.extend(
-                        _folded_run(shard, fb, logits, t, {**kw, "checks": False}, topp=config)
-                    )
-
-                syncs = host_syncs(call) if step >= 1 else (call(), "none")[1]
-                res, fold = got
-                assert fold is not None and fold.queued == (step + i > 0), (step, i)
-                if not fold.queued:
-                    continue
-                assert syncs == "none", (step, syncs)
-                torch.cuda.synchronize()
-                _same(res, want, f"vLLM {chain.version} top-p {num_reqs} reqs, poisoned {poison}")
-                outs.append([x.clone() for x in res[:3]])
-            if len(outs) == 2:
-                assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True)), poison
+        config = pipeline_for(t.logits.shape[0], "cuda", chain.version)
+        # the replay may flag requests of its own: no sentinel check
+        poisons = [[], [], [1], [0, num_reqs - 1], []]
+        stats = _gpu_folded_steps(chain, t, kw, poisons, topp=config, sentinel=False)
         set_sigma_table(None)
-        print(f"[folded fallback top-p] vLLM {chain.version} {num_reqs} requests: {fb.stats}")
+        print(f"[folded fallback top-p] vLLM {chain.version} {num_reqs} requests: {stats}")
 
 
 def test_plugin_device_fallback_only_where_it_can_run(monkeypatch) -> None:
