@@ -44,7 +44,8 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
      kernels) -- the plug-in's TP-1 temperature call (its default on CUDA);
    * ``shardmax-hist+fold`` (top-p traffic, TP 1): the histogram plan with the folded device
      fallback (vLLM's chain on the step, at its exact size, where a request is flagged; no
-     host read) -- the plug-in's TP-1 top-p call on CUDA;
+     host read) -- not the plug-in's call yet (its top-p steps read the flags until this path
+     has run on a GPU);
    * ``shardmax-hist+resolve`` (top-p traffic): the same with the top-p rows verified from level
      histograms (``VocabShard.verify(rows, topp=pipeline_for(rows, "cuda", version))``, replayed
      from its CUDA graphs on a static copy of the logits: the plug-in's top-p call) instead of
@@ -590,7 +591,7 @@ def _run(
                     paths["shardmax-hist+resolve"] = _shardmax_step(
                         traffic, mix, prefill, (resolver, kw), topp=config, rank=me
                     )
-                    if fallback is not None and me is None:  # the plug-in's TP-1 top-p call
+                    if fallback is not None and me is None:  # TP 1: the fold behind top-p
                         paths["shardmax-hist+fold"] = _shardmax_step(
                             traffic, mix, prefill, (resolver, kw), topp=config,
                             device=fallback, fold=True,
@@ -792,7 +793,7 @@ def summary(results: list[dict[str, Any]]) -> str:
                           "One graph launch: the step's kernels, then the predicate and vLLM's "
                           "chain as a conditional node (`shardmax+fold`)"),
         "shardmax-hist+fold": ("The folded device fallback behind level-histogram top-p",
-                               "The plug-in's TP-1 top-p call: the histogram plan replayed, "
+                               "The histogram plan replayed, "
                                "vLLM's chain on the step where a request is flagged, no host "
                                "read (`shardmax-hist+fold`)"),
     }  # fmt: skip

@@ -785,7 +785,7 @@ FP)
   ;;
 FT)
   # the folded fallback on top-p steps: the fallback GPU tests (the top-p fold's among them),
-  # then the engine loop on top-p traffic (shardmax-hist+fold: the plug-in's TP-1 top-p call)
+  # then the engine loop on top-p traffic (shardmax-hist+fold, the fold behind histogram top-p)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
   stamp "device fallback GPU tests"
   timeout "$(left 200)" python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_fallback.py \

@@ -510,8 +510,8 @@ def test_gpu_device_fallback_folded(num_reqs: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_reqs", [8, 24, 128])
 def test_gpu_device_fallback_folded_topp(num_reqs: int) -> None:
-    """On the GPU: the folded fallback behind the level-histogram top-p plan (the plug-in's
-    top-p call; T = 1, top_p = 0.95 traffic): vLLM's chain on the step at its exact size (its
+    """On the GPU: the folded fallback behind the level-histogram top-p plan (T = 1,
+    top_p = 0.95 traffic): vLLM's chain on the step at its exact size (its
     top-p pipeline for the step's rows) where a request is flagged (poisoned with a NaN, or
     flagged by the replay itself). Per vLLM version, each step twice (bits compared), == vLLM's
     chain on every request, no flag left, no host sync on a replayed step."""

@@ -721,9 +721,11 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     if nucleus:
         counters.bump("topp_histogram_steps" if topp is not None else "nucleus_candidate_steps")
     fallback = device_fallback(local_logits.device) if shard.geometry.tp == 1 else None
-    # not on the candidate path's top-k / top-p steps: they flag a request on most steps
-    # (18-26 %, FLAGS.md), each of which would run vLLM's whole chain
-    if fallback is None or (nucleus and topp is None):
+    # temperature steps only: the candidate path's top-k / top-p steps flag a request on most
+    # steps (18-26 %, FLAGS.md), each of which would run vLLM's whole chain; the fold behind
+    # the level-histogram top-p plan is CPU-tested (tests/test_fallback.py) but has not run on a
+    # GPU yet (its GPU test and engine path: gpu_session.sh FT), so those steps read the flags
+    if fallback is None or topp is not None or nucleus:
         res = _run(shard, plan, local_logits, batch)
     else:
         vocab = int(st.vocab_size)
