@@ -355,10 +355,10 @@ class _Captured:
         try:
             return [self._slot() for _ in range(SLOTS)]
         except Exception as e:  # e.g. out of memory, or an epilogue that cannot be captured
-            what = "with their epilogue" if self.epilogue is not None else ""
+            what = " with their epilogue" if self.epilogue is not None else ""
             then = "they run without it" if self.epilogue is not None else "its steps copy out"
             warnings.warn(
-                f"shardmax: output slots of {type(self.plan).__name__} not captured {what}"
+                f"shardmax: output slots of {type(self.plan).__name__} not captured{what} "
                 f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); {then}",
                 RuntimeWarning,
                 stacklevel=3,
