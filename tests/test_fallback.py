@@ -291,6 +291,37 @@ def test_device_fallback_folded(chain: NativeChain) -> None:
 
 @pytest.mark.e2e
 @by_version
+def test_device_fallback_fold_not_capturable(chain: NativeChain, monkeypatch) -> None:
+    """An epilogue whose capture raises: the signature's slots are made without it (warned),
+    its steps replay from them with the fold unqueued (the caller's second call then runs), and
+    the outputs are shardmax's own."""
+    from shardmax.plan import VocabShard
+
+    vocab = 512
+    fb = DeviceFallback(chain, emulate=True)
+
+    def refuse(*args, **kwargs):
+        raise TypeError("not capturable here")
+
+    monkeypatch.setattr(fb, "_folded", refuse)
+    shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=torch.bfloat16,
+                       device="cpu")  # fmt: skip
+    t, kw = _step(30, 4, vocab, "cpu")
+    eager, _ = _folded_run(shard, fb, t.logits, t, kw)  # the signature's eager step
+    with pytest.warns(RuntimeWarning, match="not captured with their epilogue"):
+        res, fold = _folded_run(shard, fb, t.logits, t, kw)
+    assert fold is not None and not fold.queued
+    graphed = shard.graphed(shard.verify(t.logits.shape[0]))
+    captured = next(iter(graphed._graphs.values()))
+    assert len(captured.slots) > 0 and not captured.folded  # replayed, without the epilogue
+    again, fold = _folded_run(shard, fb, t.logits, t, kw)
+    assert not fold.queued
+    for out in (res, again):
+        assert all(torch.equal(a, b) for a, b in zip(eager[:5], out[:5], strict=True))
+
+
+@pytest.mark.e2e
+@by_version
 def test_device_fallback_folded_topp(chain: NativeChain) -> None:
     """The folded fallback behind the level-histogram top-p plan (CPU: vLLM's CPU pipeline
     for the step's rows): top_p = 0.95 traffic with a request the replay itself flags and
