@@ -557,11 +557,13 @@ def test_gpu_device_fallback_folded_topp(num_reqs: int) -> None:
     kw = verify_inputs(t)
     for chain in CHAINS:
         set_sigma_table(list(chain.modules.topk_topp._NORMAL_CDF_TO_SIGMA_TABLE))
-        config = pipeline_for(t.logits.shape[0], "cuda", chain.version)
-        # the replay may flag requests of its own: no sentinel check
-        poisons = [[], [], [1], [0, num_reqs - 1], []]
-        stats = _gpu_folded_steps(chain, t, kw, poisons, topp=config, sentinel=False)
-        set_sigma_table(None)
+        try:
+            config = pipeline_for(t.logits.shape[0], "cuda", chain.version)
+            # the replay may flag requests of its own: no sentinel check
+            poisons = [[], [], [1], [0, num_reqs - 1], []]
+            stats = _gpu_folded_steps(chain, t, kw, poisons, topp=config, sentinel=False)
+        finally:
+            set_sigma_table(None)
         print(f"[folded fallback top-p] vLLM {chain.version} {num_reqs} requests: {stats}")
 
 

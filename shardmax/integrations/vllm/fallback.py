@@ -38,7 +38,7 @@ plug-in offers it first (on by default at TP 1 on CUDA: ``$SHARDMAX_VLLM_DEVICE_
 and calls :meth:`run` only on steps that did not replay from a slot (a new signature's eager
 steps, copy-out steps). Measured in the engine loop (H100, ``benchmarks/results/sm90/
 engine_fold``): above the second call, the host read and vLLM's chain in tokens/s at every row
-count at T = 1; 13-18 us of GPU time and 85-145 us of host p50 over the bare replay. As in
+count at T = 1; 13-18 us of GPU time and 104-152 us of host p50 over the bare replay. As in
 :mod:`shardmax.runtime.graphs`, a table is
 rewritten only once the GPU has acknowledged its last step; a step that finds none of its
 signature's tables acknowledged (the host ran :data:`SLOTS` steps ahead) returns False, and the

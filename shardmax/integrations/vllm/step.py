@@ -720,12 +720,13 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     )  # fmt: skip
     if nucleus:
         counters.bump("topp_histogram_steps" if topp is not None else "nucleus_candidate_steps")
-    fallback = device_fallback(local_logits.device) if shard.geometry.tp == 1 else None
-    # temperature steps only: the candidate path's top-k / top-p steps flag a request on most
-    # steps (18-26 %, FLAGS.md), each of which would run vLLM's whole chain; the fold behind
+    # TP-1 temperature steps only: the candidate path's top-k / top-p steps flag a request on
+    # most steps (18-26 %, FLAGS.md), each of which would run vLLM's whole chain; the fold behind
     # the level-histogram top-p plan is CPU-tested (tests/test_fallback.py) but has not run on a
     # GPU yet (its GPU test and engine path: gpu_session.sh FT), so those steps read the flags
-    if fallback is None or topp is not None or nucleus:
+    temperature_only = shard.geometry.tp == 1 and topp is None and not nucleus
+    fallback = device_fallback(local_logits.device) if temperature_only else None
+    if fallback is None:
         res = _run(shard, plan, local_logits, batch)
     else:
         vocab = int(st.vocab_size)
