@@ -23,6 +23,14 @@ CHAINS = NativeChain.discover()
 by_version = pytest.mark.parametrize("chain", CHAINS, ids=[c.id for c in CHAINS])
 
 
+def _needs_gpu_and_chains() -> None:
+    """Skips a GPU test without a CUDA GPU or an extracted vLLM chain tree."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not CHAINS:
+        pytest.skip("no vLLM chain tree (scripts/vllm_kernels.sh)")
+
+
 def _result(want, flagged: list[int], damaged: list[int]) -> VerifyResult:
     """vLLM's answer as a VerifyResult (-1 past num_sampled), ``damaged`` requests wrong,
     ``flagged`` requests flagged (reason 9)."""
@@ -384,10 +392,7 @@ def test_gpu_device_fallback(num_reqs: int) -> None:
     """On the H200: per vLLM version, steps with nothing / some / every request flagged, each
     run twice from the captured conditional graph (bits compared), all `==` vLLM's chain, no
     host sync on a launched step."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not CHAINS:
-        pytest.skip("no vLLM chain tree (scripts/vllm_kernels.sh)")
+    _needs_gpu_and_chains()
     from shardmax.testing.syncs import host_syncs
 
     b, kw = _step(num_reqs, num_reqs, 200064, "cuda")
@@ -526,10 +531,7 @@ def test_gpu_device_fallback_folded(num_reqs: int) -> None:
     version, steps with no / some / every request poisoned (a NaN in its first row: shardmax
     flags it NON_FINITE, vLLM's chain answers it), each step run twice (bits compared), ==
     vLLM's chain on every request, no flag left, no host sync on a replayed step."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not CHAINS:
-        pytest.skip("no vLLM chain tree (scripts/vllm_kernels.sh)")
+    _needs_gpu_and_chains()
     t, kw = _step(num_reqs, num_reqs, 200064, "cuda")
     gen = np.random.default_rng(num_reqs)
     some = sorted(gen.choice(num_reqs, size=max(1, num_reqs // 3), replace=False).tolist())
@@ -546,10 +548,7 @@ def test_gpu_device_fallback_folded_topp(num_reqs: int) -> None:
     top-p pipeline for the step's rows) where a request is flagged (poisoned with a NaN, or
     flagged by the replay itself). Per vLLM version, each step twice (bits compared), == vLLM's
     chain on every request, no flag left, no host sync on a replayed step."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not CHAINS:
-        pytest.skip("no vLLM chain tree (scripts/vllm_kernels.sh)")
+    _needs_gpu_and_chains()
     from shardmax.reference.nucleus_replay import pipeline_for
     from shardmax.runtime.topp_tables import set_sigma_table
 

@@ -189,7 +189,8 @@ class _Slot(FetchedTable):
     the GPU has fetched it for the slot's previous step: each step writes its request number,
     the fetch writes it back as the acknowledgement, and until it has, the slot is not free."""
 
-    __slots__ = ("_cdata", "_idle", "_ptrs", "_storages", "fold", "graph", "retired", "static")
+    __slots__ = ("_cdata", "_idle", "_ptrs", "_storages", "fold", "graph", "made", "retired",
+                 "static")  # fmt: skip
 
     def __init__(
         self,
@@ -202,6 +203,7 @@ class _Slot(FetchedTable):
         self.static, self.graph = outputs, graph
         # off CUDA, an epilogue's (predicate, body), run eagerly after the step
         self.fold = fold
+        self.made: Any = None  # the static outputs as the plan returns them (epilogue words)
         super().__init__(buf)  # the slot's table
         # held, not only counted: their Python objects are what a caller's untyped_storage()
         # returns (one per storage), so their reference counts are holders too
@@ -477,7 +479,9 @@ class _Captured:
         if not self.folded:
             epilogue = None  # (its capture failed: the slots run the step alone)
         if epilogue is not None:  # this step's words (its own tensors, the slot's outputs)
-            epilogue.write(slot.host[self.fold_at :], self.make(slot.static))
+            if slot.made is None:  # made once per slot: the same tensor objects every step
+                slot.made = self.make(slot.static)
+            epilogue.write(slot.host[self.fold_at :], slot.made)
         if self.static_logits is not None:
             self.static_logits.copy_(logits)
         slot.request()
