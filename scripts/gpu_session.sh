@@ -66,6 +66,9 @@
 #   bash scripts/gpu_session.sh FM  one H200: the GPU memory the folded device fallback holds
 #   bash scripts/gpu_session.sh FT  one H200: the fallback GPU tests, then the engine loop on
 #                                   top-p traffic (the folded fallback behind histogram top-p)
+#   bash scripts/gpu_session.sh PL  one H200: the shared graph pool's GPU tests (a capture after
+#                                   every graph of the pool was released), the conditional-graph
+#                                   and the resolution GPU tests, then stage FT
 #   bash scripts/gpu_session.sh HP  one H200: the host's elementary costs (the flag read, a graph
 #                                   replay, a launch; PROFILE=1: host profiles of the plug-in's
 #                                   replayed call and of a resolving top-p step)
@@ -782,6 +785,17 @@ FP)
   timeout "$(left 420)" python3 -m benchmarks.host_costs --only-fallback \
     --out "$OUT/host_costs_fallback" >"$OUT/fallback_parts.log" 2>&1
   echo "  rc=$?"; grep -E "^temperature|stats|tottime|^ +[0-9]" "$OUT/fallback_parts.log" | head -90
+  ;;
+PL)
+  # after a change of the graph pools: their own GPU tests and the conditional graphs', the
+  # resolution's (its captures share one pool), then stage FT (the fallback's)
+  stamp "graph pool + conditional graph GPU tests"
+  timeout "$(left 60)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_pools.py \
+    tests/test_conditional.py >"$OUT/pools_PL.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|Error|^FAILED|^E " "$OUT/pools_PL.log" | tail -8
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  RESOLVE_SEEDS=${RESOLVE_SEEDS:-2} resolve_gpu_tests PL 200
+  bash "$0" FT
   ;;
 FT)
   # the folded fallback on top-p steps: the fallback GPU tests (the top-p fold's among them),

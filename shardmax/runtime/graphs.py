@@ -516,8 +516,12 @@ class Epilogue(Protocol):
     """What the epilogue's capture depends on besides the batch signature."""
     words: int
     """Its int64 words in the step's table."""
-    pool: Any
-    """The CUDA-graph memory pool its captures allocate from (None: a new one)."""
+
+    def pool(self, device: torch.device) -> Any:
+        """The CUDA-graph memory pool its captures on ``device`` allocate from (None: a new
+        one per graph; a shared one must outlive the graphs' releases:
+        :class:`shardmax.runtime.pools.GraphPool`)."""
+
     queued: bool
     """Set True by the step that ran it (queued on the device); False otherwise."""
 
@@ -559,7 +563,7 @@ class _FoldedGraph:
         def body() -> Any:
             return box["fold"][1]()
 
-        self.graph = IfGraph(prologue, body, captured.device, pool=epilogue.pool)
+        self.graph = IfGraph(prologue, body, captured.device, pool=epilogue.pool(captured.device))
         self.outputs: list[torch.Tensor] = box["outs"]  # the captured step's own outputs
         self._keep = box  # the body's buffers (and the epilogue's state) live with the graph
 

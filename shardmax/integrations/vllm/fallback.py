@@ -106,6 +106,7 @@ from shardmax.ops.sampled import VerifyResult
 from shardmax.runtime import kernels
 from shardmax.runtime.conditional import IfGraph, unavailable
 from shardmax.runtime.graphs import FetchedTable, _release_fetched
+from shardmax.runtime.pools import GraphPool
 
 __all__ = ["MAX_GRAPHS", "SLOTS", "DeviceFallback"]
 
@@ -273,13 +274,10 @@ class _Fold:
         self.num_reqs, self.step = num_reqs, step
         self.queued = False
 
-    @property
-    def pool(self) -> Any:
-        """The fallback's graph pool (every graph of one fallback replays in stream order)."""
-        fb = self.fallback
-        if fb._pool is None and torch.cuda.is_available():
-            fb._pool = torch.cuda.graph_pool_handle()
-        return fb._pool
+    def pool(self, device: torch.device) -> Any:
+        """The fallback's graph pool on ``device`` (every graph of one fallback replays in
+        stream order)."""
+        return self.fallback._pool.handle(device)
 
     def write(self, host: np.ndarray, result: VerifyResult, capture: bool = False) -> None:
         _words(host, result, self.tensors, self.num_reqs, capture)
@@ -312,7 +310,7 @@ class DeviceFallback:
         self.emulate = emulate
         self._buckets: OrderedDict[tuple[Any, ...], _Bucket] = OrderedDict()
         self._seen: OrderedDict[tuple[Any, ...], int] = OrderedDict()
-        self._pool: Any = None
+        self._pool = GraphPool()
         self._lock = threading.Lock()
         self._why: dict[torch.device, str | None] = {}
         self._gates_memo: dict[tuple[Any, ...], Any] = {}
@@ -692,10 +690,10 @@ class DeviceFallback:
             slot.graph = _Eager(prologue, body)  # the emulated capture (counted as one)
             self.stats["captured"] += 1
             return
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         try:
-            slot.graph = IfGraph(prologue, body, b.table.device, pool=self._pool)
+            slot.graph = IfGraph(
+                prologue, body, b.table.device, pool=self._pool.handle(b.table.device)
+            )
         except Exception as e:  # a launch that cannot be captured: this signature reads flags
             b.failed = True
             self.stats["capture_failed"] += 1

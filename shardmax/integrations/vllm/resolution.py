@@ -78,6 +78,7 @@ from shardmax.ops.resolve import (
 from shardmax.ops.sampled import VerifyResult
 from shardmax.runtime import kernels
 from shardmax.runtime.host import stage, stage_into
+from shardmax.runtime.pools import GraphPool
 
 __all__ = ["CAPACITIES", "CapturedResolution"]
 
@@ -275,7 +276,7 @@ class CapturedResolution:
         self.padded = padded
         self.capture_after = capture_after
         self._subs: OrderedDict[_Key, _Sub] = OrderedDict()
-        self._pool: Any = None
+        self._pool = GraphPool()
         self._lock = threading.Lock()
         self.stats = {"captured": 0, "replayed": 0, "padded_eager": 0, "eager": 0}
         """Steps by path: replayed from a graph, padded but eager (before capture, or off CUDA),
@@ -676,8 +677,7 @@ class CapturedResolution:
         """Capture the chain on ``sub`` (its buffers already filled; the earlier padded eager
         run compiled vLLM's kernels and filled its caches), holding vLLM's workspaces."""
         mod = self.chain.modules.topk_topp
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        pool = self._pool.handle(sub.logits.device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -685,7 +685,7 @@ class CapturedResolution:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 out = self._body(sub, key, step)
         except Exception as e:  # a launch that cannot be captured: this key stays eager
             sub.failed = True

@@ -1,0 +1,112 @@
+"""The shared CUDA-graph pool (:mod:`shardmax.runtime.pools`).
+
+CPU: the argument check and the refusal where torch's ``MemPool`` holds no use of its pool.
+GPU: the hazard it exists for -- every graph of a bare ``graph_pool_handle()`` released while a
+block of the pool is still held, then one more capture on it -- fails with the allocator's
+assert, and passes with :class:`GraphPool` (plain captures and conditional graphs), the graphs
+captured after the release replaying the right values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import pytest
+import torch
+
+from shardmax.runtime.pools import GraphPool
+
+
+def test_handle_refuses_a_cpu_device() -> None:
+    with pytest.raises(ValueError, match="expected a CUDA device, got cpu"):
+        GraphPool().handle(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("count", [None, 0])
+def test_no_shared_pool_where_mempool_holds_no_use(monkeypatch, count: int | None) -> None:
+    """A torch without ``MemPool`` (count None) or whose ``MemPool`` does not count itself as a
+    user of its pool (count 0): None, each capture then gets its own pool."""
+
+    class FakeMemPool:
+        id = (0, 7)
+
+        def use_count(self) -> int:
+            return 0
+
+    if count is None:
+        monkeypatch.delattr(torch.cuda, "MemPool", raising=False)
+    else:
+        monkeypatch.setattr(torch.cuda, "MemPool", FakeMemPool)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    assert GraphPool().handle(torch.device("cuda", 0)) is None
+    monkeypatch.setattr(FakeMemPool, "use_count", lambda self: 1, raising=False)
+    if count is not None:
+        assert GraphPool().handle(torch.device("cuda", 0)) == (0, 7)
+
+
+def _capture(dev: torch.device, pool: object, held: list[torch.Tensor]) -> tuple[object, object]:
+    """A graph doubling a static input into an output of ``pool``; the capture also leaves a
+    block of ``pool`` in ``held`` (as vLLM's module-level workspaces made during a capture)."""
+    x = torch.arange(8, dtype=torch.float32, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        y = x * 2
+        held.append(torch.empty(1 << 16, device=dev))
+    return graph, (x, y)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_pool_outlives_released_graphs() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    held: list[torch.Tensor] = []
+    bare = torch.cuda.graph_pool_handle()
+    graph, _ = _capture(dev, bare, held)
+    del graph
+    gc.collect()
+    with pytest.raises(RuntimeError, match="use_count"):  # the hazard, on this torch
+        _capture(dev, bare, held)
+
+    shared = GraphPool()
+    handle = shared.handle(dev)
+    assert handle is not None, "torch.cuda.MemPool should hold a use of its pool here"
+    for _ in range(3):  # released, captured again, more than once
+        graph, (x, y) = _capture(dev, handle, held)
+        x.add_(1)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        assert torch.equal(y, (torch.arange(8, device=dev) + 1) * 2)
+        del graph
+        gc.collect()
+
+
+@pytest.mark.gpu
+def test_gpu_if_graphs_of_a_graph_pool_come_and_go() -> None:
+    from shardmax.runtime.conditional import IfGraph, unavailable
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if unavailable(dev) is not None:
+        pytest.skip(unavailable(dev))
+    shared = GraphPool()
+    flag = torch.zeros(1, dtype=torch.bool, device=dev)
+    x = torch.arange(8, dtype=torch.float32, device=dev)
+    held: list[torch.Tensor] = []
+    for step in range(3):
+
+        def body(scale: int = step + 2) -> torch.Tensor:
+            held.append(torch.empty(1 << 16, device=dev))
+            return x * scale
+
+        graph = IfGraph(lambda: flag.clone(), body, dev, pool=shared.handle(dev))
+        out = graph.outputs[1]
+        out.zero_()
+        flag.fill_(True)
+        graph.launch()
+        torch.cuda.synchronize(dev)
+        assert torch.equal(out, x * (step + 2))
+        del graph, out
+        gc.collect()
