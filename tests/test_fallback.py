@@ -601,3 +601,18 @@ def test_plugin_device_fallback_only_where_it_can_run(monkeypatch) -> None:
     monkeypatch.delenv(step.ENV_GRAPHS)
     monkeypatch.setattr(fallback.DeviceFallback, "unavailable", lambda self, device: "old driver")
     assert step.device_fallback(cuda) is None and step._FALLBACK == [None]
+
+
+def test_plugin_device_decides_which_steps() -> None:
+    """TP 1 only; temperature steps at any size; level-histogram top-p steps up to
+    TOPP_FOLD_MAX_ROWS rows (larger ones read the flags); never the candidate path's."""
+    from shardmax.integrations.vllm import step
+
+    top = step.TOPP_FOLD_MAX_ROWS
+    assert step.device_decides(1, nucleus=False, histogram=False, rows=4096)
+    assert step.device_decides(1, nucleus=True, histogram=True, rows=top)
+    assert not step.device_decides(1, nucleus=True, histogram=True, rows=top + 1)
+    assert not step.device_decides(1, nucleus=True, histogram=False, rows=4)
+    for tp in (2, 4, 8):
+        assert not step.device_decides(tp, nucleus=False, histogram=False, rows=4)
+        assert not step.device_decides(tp, nucleus=True, histogram=True, rows=4)

@@ -12,9 +12,16 @@ zero and the next capture that names it fails on the allocator's internal assert
 (``use_count > 0``, ``CUDACachingAllocator.cpp``): seen on an H100 with torch 2.11 when every
 folded graph of a fallback had been released with its step signature and the next signature was
 captured. So a holder cannot keep a bare ``torch.cuda.graph_pool_handle()`` for graphs that
-outlive each other. :class:`GraphPool` keeps a ``torch.cuda.MemPool`` per device instead: the
-allocator counts it as a user of its pool for as long as it lives, so the count never reaches
-zero between captures, and the pool's memory goes back when the holder and its graphs are gone.
+outlive each other.
+
+:class:`GraphPool` keeps one more user of its pool for as long as it lives: a *keeper*, a
+one-node graph (a memset of a byte allocated outside the pool) captured into the pool and never
+replayed. Graphs of the pool then come and go without the count reaching zero; when the holder
+goes, the keeper's release is an ordinary graph release and the pool's memory goes back as the
+allocator frees it. (A ``torch.cuda.MemPool`` would hold a use too, but its destructor empties
+the allocator's cache, which aborts the process -- ``captures_underway.empty()`` -- when the
+holder is collected while any capture is under way, as vLLM's own start-up captures are; seen on
+an H100 with torch 2.11.)
 """
 
 from __future__ import annotations
@@ -28,42 +35,47 @@ __all__ = ["GraphPool"]
 
 
 class GraphPool:
-    """A pool id per CUDA device for ``torch.cuda.graph(..., pool=...)``, kept valid for the
-    life of this object whatever graphs of it are released in between.
-
-    Where this torch's ``torch.cuda.MemPool`` does not count itself as a user of its pool (or
-    has no ``MemPool``), :meth:`handle` returns None: each capture then gets a pool of its own
-    (no sharing, nothing to go stale).
+    """A pool id per CUDA device for ``torch.cuda.graph(..., pool=...)``, valid for the life
+    of this object whatever graphs of it are released in between (its keeper graph holds a
+    use of the pool). Captures of one ``GraphPool`` share memory: their graphs must replay in
+    stream order on one stream, each keeping its own outputs alive.
     """
 
-    __slots__ = ("_lock", "_pools")
+    __slots__ = ("_keepers", "_lock")
 
     def __init__(self) -> None:
-        self._pools: dict[int, Any] = {}
+        self._keepers: dict[int, tuple[Any, torch.cuda.CUDAGraph]] = {}
         self._lock = threading.Lock()
 
     def handle(self, device: torch.device) -> Any:
-        """The pool id for captures on ``device`` (a CUDA device; made on first use), or None.
+        """The pool id for captures on ``device`` (made on first use, with its keeper; call it
+        outside any capture of the current stream).
 
         Raises:
             ValueError: ``device`` is not a CUDA device.
+            RuntimeError: the current stream is capturing (the keeper cannot be captured).
         """
         if device.type != "cuda":
             raise ValueError(f"device: expected a CUDA device, got {device}")
         index = device.index if device.index is not None else torch.cuda.current_device()
         with self._lock:
-            if index not in self._pools:
-                self._pools[index] = _made(index)
-            pool = self._pools[index]
-        return None if pool is None else pool.id
+            kept = self._keepers.get(index)
+            if kept is None:
+                kept = self._keepers[index] = _kept(index)
+        return kept[0]
 
 
-def _made(index: int) -> Any:
-    """A ``MemPool`` on CUDA device ``index`` that holds a use of its pool, or None."""
-    make = getattr(torch.cuda, "MemPool", None)
-    if make is None:
-        return None
+def _kept(index: int) -> tuple[Any, torch.cuda.CUDAGraph]:
+    """A new pool id on CUDA device ``index`` and its keeper graph (one memset)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "GraphPool.handle: the current stream is capturing; a pool's keeper graph is "
+            "captured outside any capture"
+        )
     with torch.cuda.device(index):
-        pool = make()
-    count = getattr(pool, "use_count", None)
-    return pool if count is not None and count() >= 1 else None
+        pool = torch.cuda.graph_pool_handle()
+        byte = torch.empty(1, dtype=torch.uint8, device=torch.device("cuda", index))
+        keeper = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(keeper, pool=pool, capture_error_mode="thread_local"):
+            byte.zero_()
+    return pool, keeper

@@ -38,10 +38,12 @@ __all__ = [
     "ENV_TOPP",
     "NUCLEUS_ROUTING",
     "SAMPLED_MODES",
+    "TOPP_FOLD_MAX_ROWS",
     "TOPP_PATHS",
     "SampledResult",
     "apply_head",
     "chain_inputs",
+    "device_decides",
     "device_fallback",
     "find_lm_head",
     "graph_replay",
@@ -552,8 +554,31 @@ def resolver() -> Any:
     return _RESOLVER[0]
 
 
+TOPP_FOLD_MAX_ROWS = 256
+"""The largest level-histogram top-p step (logits rows) whose flags the device fallback decides
+(:func:`device_fallback`); larger top-p steps read the flags and resolve the flagged requests
+one by one. The fallback's body is vLLM's chain on the whole step: at 512 rows (128 requests)
+some request is flagged on nearly every step of realistic top-p 0.95 traffic (~3 % of requests
+with the histogram plan), and that chain costs more GPU time than resolving the flagged requests.
+Measured in the engine loop (H100, V = 200064 bf16, K = 3, ``benchmarks/results/sm90/
+engine_topp_fold``): the fold's step against the host read's, in tokens/s, +8.8 / +15.9 / +47.1
+/ +9.5 % at 4 / 32 / 96 / 256 rows (the loop's 256-row batch had no flagged request), -18.6 %
+at 512."""
+
+
+def device_decides(tp: int, nucleus: bool, histogram: bool, rows: int) -> bool:
+    """Whether a sampled step's flags go to the device fallback (:func:`device_fallback`)
+    rather than the host read: at TP 1 (its chain needs the full logits), temperature steps
+    (``nucleus`` False) and level-histogram top-p steps (``histogram``) of at most
+    :data:`TOPP_FOLD_MAX_ROWS` logits rows; never the candidate path's top-k / top-p steps,
+    which flag a request on most steps (18-26 %, ``benchmarks/results/sm90/FLAGS.md``), each of
+    which would run vLLM's whole chain."""
+    return tp == 1 and (not nucleus or (histogram and rows <= TOPP_FOLD_MAX_ROWS))
+
+
 def device_fallback(device: torch.device) -> Any:
-    """The device-decided fallback of TP-1 temperature steps
+    """The device-decided fallback of TP-1 temperature and top-p steps (top-p: the
+    level-histogram plan, at most :data:`TOPP_FOLD_MAX_ROWS` rows)
     (:class:`shardmax.integrations.vllm.fallback.DeviceFallback`: vLLM's chain on the whole step,
     run by the device only when the step flagged a request; no host read of the flags), or
     None: no resolver (:func:`resolver`), not a CUDA device (unless ``emulate``),
@@ -720,12 +745,8 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     )  # fmt: skip
     if nucleus:
         counters.bump("topp_histogram_steps" if topp is not None else "nucleus_candidate_steps")
-    # TP-1 temperature steps only: the candidate path's top-k / top-p steps flag a request on
-    # most steps (18-26 %, FLAGS.md), each of which would run vLLM's whole chain; the fold behind
-    # the level-histogram top-p plan is CPU-tested (tests/test_fallback.py) but has not run on a
-    # GPU yet (its GPU test and engine path: gpu_session.sh FT), so those steps read the flags
-    temperature_only = shard.geometry.tp == 1 and topp is None and not nucleus
-    fallback = device_fallback(local_logits.device) if temperature_only else None
+    folds = device_decides(shard.geometry.tp, nucleus, topp is not None, rows)
+    fallback = device_fallback(local_logits.device) if folds else None
     if fallback is None:
         res = _run(shard, plan, local_logits, batch)
     else:
