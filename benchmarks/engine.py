@@ -574,8 +574,8 @@ def _run(
                         traffic, mix, prefill, (resolver, kw), rank=me
                     )
                     if fallback is not None and me is None and mix == "temperature":
-                        # the plug-in's use: TP-1 steps without top-p (a top-p step flags a
-                        # request on most steps, and would run vLLM's whole chain on them)
+                        # the plug-in's use at TP 1 (not behind the candidate plan's top-p, which
+                        # flags a request on most steps: vLLM's whole chain on each of them)
                         paths["shardmax+device"] = _shardmax_step(
                             traffic, mix, prefill, (resolver, kw), device=fallback
                         )
@@ -609,20 +609,8 @@ def _run(
                         f"{bad_r} of {reqs} requests differ from vLLM after resolving "
                         f"{flagged} ({left} left flagged)"
                     )
-                for name in ("shardmax+device", "shardmax+fold", "shardmax-hist+fold"):
-                    if name not in paths or fallback is None:
-                        continue
-                    dev_step = paths[name]
-                    for _ in range(fallback.capture_after):
-                        dev_step()  # the signature's host-read steps, then its capture
-                    got = dev_step()
-                    torch.cuda.synchronize()
-                    bad_d, left_d = _mismatches(got, theirs)
-                    device_notes[name] = (
-                        f"{bad_d} of {reqs} requests differ from vLLM ({left_d} left flagged; "
-                        f"{flagged} flagged before the device fallback); fallback {fallback.stats}"
-                    )
                 hist_note = ""
+                flagged_h = 0
                 if "shardmax-hist+resolve" in paths:
                     hist = paths["shardmax-hist+resolve"]
                     plain = _shardmax_step(
@@ -633,6 +621,23 @@ def _run(
                     hist_note = (
                         f"{bad_h} unflagged requests differ from vLLM, {flagged_h} flagged of "
                         f"{reqs}; {bad_hr} differ after resolving ({left_h} left flagged)"
+                    )
+                # each device path's flags are its own plan's: the histogram plan's behind top-p
+                flagged_by = {"shardmax+device": flagged, "shardmax+fold": flagged}
+                flagged_by["shardmax-hist+fold"] = flagged_h
+                for name in flagged_by:
+                    if name not in paths or fallback is None:
+                        continue
+                    dev_step = paths[name]
+                    for _ in range(fallback.capture_after):
+                        dev_step()  # the signature's host-read steps, then its capture
+                    got = dev_step()
+                    torch.cuda.synchronize()
+                    bad_d, left_d = _mismatches(got, theirs)
+                    device_notes[name] = (
+                        f"{bad_d} of {reqs} requests differ from vLLM ({left_d} left flagged; "
+                        f"{flagged_by[name]} flagged before the device fallback); fallback "
+                        f"{fallback.stats}"
                     )
             if args.profile:
                 for name in (

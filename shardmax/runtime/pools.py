@@ -18,10 +18,10 @@ outlive each other.
 one-node graph (a memset of a byte allocated outside the pool) captured into the pool and never
 replayed. Graphs of the pool then come and go without the count reaching zero; when the holder
 goes, the keeper's release is an ordinary graph release and the pool's memory goes back as the
-allocator frees it. (A ``torch.cuda.MemPool`` would hold a use too, but its destructor empties
-the allocator's cache, which aborts the process -- ``captures_underway.empty()`` -- when the
-holder is collected while any capture is under way, as vLLM's own start-up captures are; seen on
-an H100 with torch 2.11.)
+allocator frees it. (A ``torch.cuda.MemPool`` holds a use too, but its destructor empties the
+allocator's cache, which asserts that no capture is under way and aborts the process otherwise:
+``captures_underway.empty()``, seen on an H100 with torch 2.11 when the engine benchmark exited
+after some of its captures had failed. A keeper's release is what any graph's release is.)
 """
 
 from __future__ import annotations

@@ -561,8 +561,8 @@ one by one. The fallback's body is vLLM's chain on the whole step: at 512 rows (
 some request is flagged on nearly every step of realistic top-p 0.95 traffic (~3 % of requests
 with the histogram plan), and that chain costs more GPU time than resolving the flagged requests.
 Measured in the engine loop (H100, V = 200064 bf16, K = 3, ``benchmarks/results/sm90/
-engine_topp_fold``): the fold's step against the host read's, in tokens/s, +8.8 / +15.9 / +47.1
-/ +9.5 % at 4 / 32 / 96 / 256 rows (the loop's 256-row batch had no flagged request), -18.6 %
+engine_topp_fold``): the fold's step against the host read's, in tokens/s, +13.9 / +17.3 / +48.7
+/ +18.5 % at 4 / 32 / 96 / 256 rows (the loop's 256-row batch had no flagged request), -15.2 %
 at 512."""
 
 
@@ -577,23 +577,25 @@ def device_decides(tp: int, nucleus: bool, histogram: bool, rows: int) -> bool:
 
 
 def device_fallback(device: torch.device) -> Any:
-    """The device-decided fallback of TP-1 temperature and top-p steps (top-p: the
-    level-histogram plan, at most :data:`TOPP_FOLD_MAX_ROWS` rows)
+    """The device-decided fallback of the steps :func:`device_decides` picks (TP 1:
+    temperature steps, level-histogram top-p steps of at most :data:`TOPP_FOLD_MAX_ROWS` rows)
     (:class:`shardmax.integrations.vllm.fallback.DeviceFallback`: vLLM's chain on the whole step,
     run by the device only when the step flagged a request; no host read of the flags), or
     None: no resolver (:func:`resolver`), not a CUDA device (unless ``emulate``),
     ``$SHARDMAX_VLLM_GRAPHS=0``, conditional graphs unavailable here (the reason logged once), or
     ``$SHARDMAX_VLLM_DEVICE_FALLBACK=0``. Made once per process; only TP 1 calls it (the chain
     needs the full logits). On by default (``auto``) since it runs folded into the step's own
-    replayed graph (:meth:`~shardmax.integrations.vllm.fallback.DeviceFallback.fold`): in the
-    engine loop on an H100 its step gets 17-24 % more tokens/s than the host read it replaces
-    and 1.7-15.5 % more than vLLM's chain at T = 1, == vLLM on every request
-    (``benchmarks/results/sm90/engine_fold``); its cost is GPU memory held by its graphs (a
-    static copy of the largest bucket's logits: 1.5-196 MiB at 4-512 rows of V = 200064 bf16,
-    ``benchmarks/results/sm90/fallback_memory``; and vLLM's chain's temporaries in the graphs'
-    pool where its gates make any: temperatures other than 1, top-k, min-p). ``emulate`` (tests, CPU engines): the same tables and kernels run eagerly, the
-    predicate read on the host (a sync, so no speed to gain), so that a CPU engine exercises the
-    fallback's signatures and answers.
+    replayed graph (:meth:`~shardmax.integrations.vllm.fallback.DeviceFallback.fold`). In the
+    engine loop on an H100, == vLLM on every request: at T = 1 its step gets 17-24 % more
+    tokens/s than the host read it replaces and 1.7-15.5 % more than vLLM's chain
+    (``benchmarks/results/sm90/engine_fold``); at top-p 0.95, 14-49 % more than the host read
+    and per-request resolution at 4-256 rows (``benchmarks/results/sm90/engine_topp_fold``). Its
+    cost is GPU memory held by its graphs (a static copy of the largest bucket's logits:
+    1.5-196 MiB at 4-512 rows of V = 200064 bf16, ``benchmarks/results/sm90/fallback_memory``;
+    and vLLM's chain's temporaries in the graphs' pool where its gates make any: temperatures
+    other than 1, top-k, top-p, min-p). ``emulate`` (tests, CPU engines): the same tables and
+    kernels run eagerly, the predicate read on the host (a sync, so no speed to gain), so that a
+    CPU engine exercises the fallback's signatures and answers.
 
     Raises:
         ValueError: ``$SHARDMAX_VLLM_DEVICE_FALLBACK`` not one of ``auto`` / ``1`` / ``0`` /
