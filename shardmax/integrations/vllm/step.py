@@ -563,7 +563,8 @@ with the histogram plan), and that chain costs more GPU time than resolving the 
 Measured in the engine loop (H100, V = 200064 bf16, K = 3, ``benchmarks/results/sm90/
 engine_topp_fold``): the fold's step against the host read's, in tokens/s, +13.9 / +17.3 / +48.7
 / +18.5 % at 4 / 32 / 96 / 256 rows (the loop's 256-row batch had no flagged request), -15.2 %
-at 512."""
+at 512; a second run (``engine_topp_fold/rerun_11ba873``) +10.8 / +12.8 / +44.4 / +14.0 %, and
++0.8 % at 512: no gain there to weigh against the first run's loss."""
 
 
 def device_decides(tp: int, nucleus: bool, histogram: bool, rows: int) -> bool:
