@@ -199,6 +199,8 @@ def _shardmax_step(
     sampled = mix != "greedy"
     seq_lens, prefill_len = prefill
 
+    calls = {"steps": 0, "folded": 0, "second_call": 0, "host_read": 0}
+
     def step() -> Any:
         batch = check_step_batch(
             rows, logits.device, t.draft_sampled, t.cu_num_logits, t.pos, t.idx_mapping,
@@ -216,15 +218,19 @@ def _shardmax_step(
         if fold and device is not None and resolve is not None and graphed:
             ep = device.fold(logits, **resolve[1], checks=False)
         res = shard.graphed(plan).run(logits, batch, ep) if graphed else plan.run(logits, batch)
+        calls["steps"] += 1
         if not sampled or (ep is not None and ep.queued):
+            calls["folded"] += ep is not None
             return res  # greedy, or the device decides inside the replayed graph
         if (
             device is not None
             and resolve is not None
             and device.run(res, logits, **resolve[1], checks=False)
         ):
+            calls["second_call"] += 1
             return res  # the device decides; no host read
         if resolve is not None:
+            calls["host_read"] += 1
             chain, kw = resolve
             req, _ = flagged_requests(res)  # the plug-in's one host read
             if req.size:
@@ -235,6 +241,7 @@ def _shardmax_step(
         return res
 
     step.shard = shard  # type: ignore[attr-defined]  # host_costs times the step's parts
+    step.calls = calls  # type: ignore[attr-defined]  # how its steps were decided
     return step
 
 
@@ -636,8 +643,8 @@ def _run(
                     bad_d, left_d = _mismatches(got, theirs)
                     device_notes[name] = (
                         f"{bad_d} of {reqs} requests differ from vLLM ({left_d} left flagged; "
-                        f"{flagged_by[name]} flagged before the device fallback); fallback "
-                        f"{fallback.stats}"
+                        f"{flagged_by[name]} flagged before the device fallback); its first "
+                        f"steps: {getattr(dev_step, 'calls', {})}"
                     )
             if args.profile:
                 for name in (

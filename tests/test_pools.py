@@ -9,6 +9,7 @@ pool's memory goes back once the ``GraphPool``, its graphs and their tensors are
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Any
 
@@ -18,14 +19,16 @@ import torch
 from shardmax.runtime.pools import GraphPool
 
 
-def test_handle_refuses_a_cpu_device() -> None:
+@pytest.mark.parametrize("device", [torch.device("cpu"), "cpu"])
+def test_handle_refuses_a_cpu_device(device: torch.device | str) -> None:
     with pytest.raises(ValueError, match="expected a CUDA device, got cpu"):
-        GraphPool().handle(torch.device("cpu"))
+        GraphPool().handle(device)
 
 
 def test_handle_refuses_inside_a_capture(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="current stream is capturing"):
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    with pytest.raises(RuntimeError, match="current stream of cuda:0 is capturing"):
         GraphPool().handle(torch.device("cuda", 0))
 
 
@@ -42,21 +45,38 @@ def _capture(
     return graph, (x, y)
 
 
-@pytest.mark.gpu
-def test_gpu_graph_pool_outlives_released_graphs() -> None:
+def _gpu() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    dev = torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.mark.gpu
+def test_gpu_bare_pool_handle_fails_after_its_graphs_are_released() -> None:
+    """The hazard :class:`GraphPool` exists for, on this torch (torch 2.11: the allocator's
+    ``use_count > 0`` assert). A failed ``torch.cuda.graph`` leaves its capture stream current
+    (its ``__exit__`` never runs): the test restores the caller's."""
+    dev = _gpu()
     held: list[torch.Tensor] = []
     bare = torch.cuda.graph_pool_handle()
     graph, _ = _capture(dev, bare, held)
     del graph
     gc.collect()
-    with pytest.raises(RuntimeError, match="use_count"):  # the hazard, on this torch
-        _capture(dev, bare, held)
+    stream = torch.cuda.current_stream(dev)
+    try:
+        with pytest.raises(RuntimeError, match="use_count"):
+            _capture(dev, bare, held)
+    finally:
+        torch.cuda.set_stream(stream)
 
+
+@pytest.mark.gpu
+def test_gpu_graph_pool_outlives_released_graphs() -> None:
+    dev = _gpu()
+    held: list[torch.Tensor] = []
     shared = GraphPool()
-    handle = shared.handle(dev)
+    handle = shared.handle(str(dev))
+    assert shared.handle(dev) == handle  # one pool per device, whatever names it
     for _ in range(3):  # released, captured again, more than once
         graph, (x, y) = _capture(dev, handle, held)
         x.add_(1)
@@ -71,9 +91,7 @@ def test_gpu_graph_pool_outlives_released_graphs() -> None:
 def test_gpu_if_graphs_of_a_graph_pool_come_and_go() -> None:
     from shardmax.runtime.conditional import IfGraph, unavailable
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _gpu()
     why = unavailable(dev)
     if why is not None:
         pytest.skip(why)
@@ -102,9 +120,7 @@ def test_gpu_if_graphs_of_a_graph_pool_come_and_go() -> None:
 def test_gpu_graph_pool_memory_goes_back_with_its_holder() -> None:
     """The keeper holds the pool only while its ``GraphPool`` lives: once the holder, its
     graphs and their tensors are gone, the allocator returns every byte the pool reserved."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _gpu()
     gc.collect()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(dev)

@@ -342,7 +342,9 @@ class IfGraph:
             fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(  # on this device's side stream, not torch's default one
+            graph, pool=self._pool, stream=side, capture_error_mode="thread_local"
+        ):
             out = fn()
         return graph, out
 

@@ -39,6 +39,10 @@ class GraphPool:
     of this object whatever graphs of it are released in between (its keeper graph holds a
     use of the pool). Captures of one ``GraphPool`` share memory: their graphs must replay in
     stream order on one stream, each keeping its own outputs alive.
+
+    Memory: while the keeper lives the allocator never counts the pool as unused, so blocks
+    that released graphs freed stay reserved in the pool -- reused by its later captures, not
+    returned to the device -- until the ``GraphPool`` goes too.
     """
 
     __slots__ = ("_keepers", "_lock")
@@ -47,35 +51,45 @@ class GraphPool:
         self._keepers: dict[int, tuple[Any, torch.cuda.CUDAGraph]] = {}
         self._lock = threading.Lock()
 
-    def handle(self, device: torch.device) -> Any:
-        """The pool id for captures on ``device`` (made on first use, with its keeper; call it
-        outside any capture of the current stream).
+    def handle(self, device: torch.device | str) -> Any:
+        """The pool id for captures on ``device`` (a CUDA device; made on first use, with its
+        keeper, which is captured on a stream of its own: call it outside any capture on that
+        device's current stream).
 
         Raises:
             ValueError: ``device`` is not a CUDA device.
-            RuntimeError: the current stream is capturing (the keeper cannot be captured).
+            RuntimeError: the device's current stream is capturing.
         """
+        device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"device: expected a CUDA device, got {device}")
         index = device.index if device.index is not None else torch.cuda.current_device()
         with self._lock:
             kept = self._keepers.get(index)
             if kept is None:
-                kept = self._keepers[index] = _kept(index)
+                kept = self._keepers[index] = _new_keeper(index)
         return kept[0]
 
 
-def _kept(index: int) -> tuple[Any, torch.cuda.CUDAGraph]:
-    """A new pool id on CUDA device ``index`` and its keeper graph (one memset)."""
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "GraphPool.handle: the current stream is capturing; a pool's keeper graph is "
-            "captured outside any capture"
-        )
+def _new_keeper(index: int) -> tuple[Any, torch.cuda.CUDAGraph]:
+    """A new pool id on CUDA device ``index`` and its keeper graph (one memset), captured
+    directly (``capture_begin`` / ``capture_end``: no device synchronize or cache emptying, as
+    ``torch.cuda.graph`` does first) on a new stream of that device."""
     with torch.cuda.device(index):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"GraphPool.handle: the current stream of cuda:{index} is capturing; a pool's "
+                "keeper graph is captured outside any capture"
+            )
         pool = torch.cuda.graph_pool_handle()
         byte = torch.empty(1, dtype=torch.uint8, device=torch.device("cuda", index))
         keeper = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(keeper, pool=pool, capture_error_mode="thread_local"):
-            byte.zero_()
+        side = torch.cuda.Stream(index)
+        side.wait_stream(torch.cuda.current_stream(index))
+        with torch.cuda.stream(side):
+            keeper.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                byte.zero_()
+            finally:
+                keeper.capture_end()
     return pool, keeper

@@ -39,15 +39,17 @@ and calls :meth:`run` only on steps that did not replay from a slot (a new signa
 steps, copy-out steps). Measured in the engine loop (H100, ``benchmarks/results/sm90/
 engine_fold``): above the second call, the host read and vLLM's chain in tokens/s at every row
 count at T = 1; 13-18 us of GPU time and 104-152 us of host p50 over the bare replay. Behind
-level-histogram top-p (T = 1, top-p 0.95: ``engine_topp_fold``) it beats the host read and
-per-request resolution by 14-49 % at 4-256 rows, and loses to it at 512 rows, where a request is
-flagged on nearly every step and vLLM's chain on the whole step costs more GPU time than the
-flagged requests' resolution: the plug-in folds top-p steps of at most ``TOPP_FOLD_MAX_ROWS``
-rows (:func:`shardmax.integrations.vllm.step.device_decides`). The graphs of one fallback share
-a :class:`~shardmax.runtime.pools.GraphPool`, which stays valid as signatures come and go. As in
-:mod:`shardmax.runtime.graphs`, a table is rewritten only once the GPU has acknowledged its last
-step; a step that finds none of its
-signature's tables acknowledged (the host ran :data:`SLOTS` steps ahead) returns False, and the
+level-histogram top-p (T = 1, top-p 0.95, ``engine_topp_fold``, two runs) it beats the host read
+and per-request resolution by 11-49 % in tokens/s at 4-256 rows (by 44-49 % at 96 rows, the one
+batch of them with a flagged request, where it still trails vLLM's chain by 19-20 %: that chain
+runs on the whole step besides shardmax's kernels), and by -15 % / +1 % at 512 rows, where four
+requests are flagged on every step; so the plug-in folds top-p steps of at most
+``TOPP_FOLD_MAX_ROWS`` rows (:func:`shardmax.integrations.vllm.step.uses_device_fallback`). The
+graphs of one fallback share a :class:`~shardmax.runtime.pools.GraphPool`, which stays valid as
+signatures come and go (and keeps what released graphs freed reserved for later captures). As
+in :mod:`shardmax.runtime.graphs`, a table is rewritten only once the GPU has acknowledged its
+last step; a step that finds none of its signature's tables acknowledged (the host ran
+:data:`SLOTS` steps ahead) returns False, and the
 caller reads the flags.
 
 **Signatures are buckets, not addresses.** vLLM allocates a step's logits and batch tensors

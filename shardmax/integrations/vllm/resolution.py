@@ -685,7 +685,7 @@ class CapturedResolution:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                 out = self._body(sub, key, step)
         except Exception as e:  # a launch that cannot be captured: this key stays eager
             sub.failed = True

@@ -43,7 +43,6 @@ __all__ = [
     "SampledResult",
     "apply_head",
     "chain_inputs",
-    "device_decides",
     "device_fallback",
     "find_lm_head",
     "graph_replay",
@@ -61,6 +60,7 @@ __all__ = [
     "topp_path",
     "topp_pipeline",
     "tp_group",
+    "uses_device_fallback",
     "verify_greedy",
     "verify_sampled",
     "vllm_geometry",
@@ -557,17 +557,18 @@ def resolver() -> Any:
 TOPP_FOLD_MAX_ROWS = 256
 """The largest level-histogram top-p step (logits rows) whose flags the device fallback decides
 (:func:`device_fallback`); larger top-p steps read the flags and resolve the flagged requests
-one by one. The fallback's body is vLLM's chain on the whole step: at 512 rows (128 requests)
-some request is flagged on nearly every step of realistic top-p 0.95 traffic (~3 % of requests
-with the histogram plan), and that chain costs more GPU time than resolving the flagged requests.
-Measured in the engine loop (H100, V = 200064 bf16, K = 3, ``benchmarks/results/sm90/
-engine_topp_fold``): the fold's step against the host read's, in tokens/s, +13.9 / +17.3 / +48.7
-/ +18.5 % at 4 / 32 / 96 / 256 rows (the loop's 256-row batch had no flagged request), -15.2 %
-at 512; a second run (``engine_topp_fold/rerun_11ba873``) +10.8 / +12.8 / +44.4 / +14.0 %, and
-+0.8 % at 512: no gain there to weigh against the first run's loss."""
+one by one. The fallback's body is vLLM's chain on the whole step, so the fold pays off where the
+host read's stall costs more than that chain on the steps that need it. Measured in the engine
+loop (H100, V = 200064 bf16, K = 3, ``benchmarks/results/sm90/engine_topp_fold`` and its
+``rerun_11ba873``; realistic T = 1 / top-p 0.95 traffic, one batch per row count replayed, so a
+flagged request is flagged on every step), the fold against the host read in tokens/s: at 96
+rows (1 of 24 requests flagged) +48.7 / +44.4 %; at 4, 32 and 256 rows (nothing flagged, the
+fold's body never runs) +11 to +19 %; at 512 rows (4 of 128 flagged) -15.2 / +0.8 %. So the
+limit sits where the fold is no longer measured ahead; a flagged 256-row step was not measured.
+"""
 
 
-def device_decides(tp: int, nucleus: bool, histogram: bool, rows: int) -> bool:
+def uses_device_fallback(tp: int, nucleus: bool, histogram: bool, rows: int) -> bool:
     """Whether a sampled step's flags go to the device fallback (:func:`device_fallback`)
     rather than the host read: at TP 1 (its chain needs the full logits), temperature steps
     (``nucleus`` False) and level-histogram top-p steps (``histogram``) of at most
@@ -578,7 +579,7 @@ def device_decides(tp: int, nucleus: bool, histogram: bool, rows: int) -> bool:
 
 
 def device_fallback(device: torch.device) -> Any:
-    """The device-decided fallback of the steps :func:`device_decides` picks (TP 1:
+    """The device-decided fallback of the steps :func:`uses_device_fallback` picks (TP 1:
     temperature steps, level-histogram top-p steps of at most :data:`TOPP_FOLD_MAX_ROWS` rows)
     (:class:`shardmax.integrations.vllm.fallback.DeviceFallback`: vLLM's chain on the whole step,
     run by the device only when the step flagged a request; no host read of the flags), or
@@ -589,14 +590,15 @@ def device_fallback(device: torch.device) -> Any:
     replayed graph (:meth:`~shardmax.integrations.vllm.fallback.DeviceFallback.fold`). In the
     engine loop on an H100, == vLLM on every request: at T = 1 its step gets 17-24 % more
     tokens/s than the host read it replaces and 1.7-15.5 % more than vLLM's chain
-    (``benchmarks/results/sm90/engine_fold``); at top-p 0.95, 14-49 % more than the host read
-    and per-request resolution at 4-256 rows (``benchmarks/results/sm90/engine_topp_fold``). Its
-    cost is GPU memory held by its graphs (a static copy of the largest bucket's logits:
-    1.5-196 MiB at 4-512 rows of V = 200064 bf16, ``benchmarks/results/sm90/fallback_memory``;
-    and vLLM's chain's temporaries in the graphs' pool where its gates make any: temperatures
-    other than 1, top-k, top-p, min-p). ``emulate`` (tests, CPU engines): the same tables and
-    kernels run eagerly, the predicate read on the host (a sync, so no speed to gain), so that a
-    CPU engine exercises the fallback's signatures and answers.
+    (``benchmarks/results/sm90/engine_fold``); at top-p 0.95, 11-49 % more than the host read
+    and per-request resolution at 4-256 rows (:data:`TOPP_FOLD_MAX_ROWS`). Its cost is GPU
+    memory held for the process's life (its graphs' shared pool keeps what they freed
+    reserved): a static copy of the largest bucket's logits (1.5-196 MiB at 4-512 rows of
+    V = 200064 bf16, ``benchmarks/results/sm90/fallback_memory``, T = 1) and vLLM's chain's
+    temporaries in the graphs' pool where its gates make any (temperatures other than 1, top-k,
+    top-p, min-p; the top-p steps' not measured). ``emulate`` (tests, CPU engines): the same
+    tables and kernels run eagerly, the predicate read on the host (a sync, so no speed to
+    gain), so that a CPU engine exercises the fallback's signatures and answers.
 
     Raises:
         ValueError: ``$SHARDMAX_VLLM_DEVICE_FALLBACK`` not one of ``auto`` / ``1`` / ``0`` /
@@ -748,7 +750,7 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     )  # fmt: skip
     if nucleus:
         counters.bump("topp_histogram_steps" if topp is not None else "nucleus_candidate_steps")
-    folds = device_decides(shard.geometry.tp, nucleus, topp is not None, rows)
+    folds = uses_device_fallback(shard.geometry.tp, nucleus, topp is not None, rows)
     fallback = device_fallback(local_logits.device) if folds else None
     if fallback is None:
         res = _run(shard, plan, local_logits, batch)
