@@ -63,6 +63,12 @@ def _same(res: VerifyResult, want, what: str) -> None:
     assert not bool(res.fallback.any()) and not bool(res.reason.any()), what
 
 
+def _tokens(out) -> list[list[int]]:
+    """Each request's tokens of a chain's answer (``sampled`` up to ``num_sampled``; the columns
+    past it are uninitialised memory, which may or may not repeat between calls)."""
+    return [row[: int(n)].tolist() for row, n in zip(out[0], out[1], strict=True)]
+
+
 def _step(seed: int, num_reqs: int, vocab: int, device: str):
     b = realistic_batch(num_reqs, 3, vocab, seed=seed, mix="temperature", device=device)
     return b, verify_inputs(b)
@@ -128,9 +134,13 @@ def test_device_fallback_emulated(chain: NativeChain) -> None:
     # vLLM's per-slot state elsewhere (vLLM double-buffers it: its address alternates), here
     # with other seeds: the same signature, read where it is now
     kw_moved = {**kw, **{n: kw[n].clone() for n in ("temperature_gpu", "prefill_len")}}
-    kw_moved["seed_gpu"] = kw["seed_gpu"] * 3 + 1
-    want_moved = chain.verify(b.logits, **kw_moved)
-    assert not torch.equal(want_moved[0], want[0])  # the seeds matter
+    for mult in (3, 5, 7, 11, 13, 17, 19, 23):  # seeds that change vLLM's answer on this batch
+        kw_moved["seed_gpu"] = kw["seed_gpu"] * mult + 1
+        want_moved = chain.verify(b.logits, **kw_moved)
+        if _tokens(want_moved) != _tokens(want):
+            break
+    else:
+        pytest.fail("no other seeds change vLLM's answer on this batch: the check below is moot")
     res = _result(want_moved, [0, 1, 2, 3, 4], [0, 1, 2, 3, 4])
     assert fb.run(res, b.logits, **kw_moved)
     _same(res, want_moved, "per-slot state moved, other seeds")
