@@ -44,8 +44,8 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
      kernels) -- the plug-in's TP-1 temperature call (its default on CUDA);
    * ``shardmax-hist+fold`` (top-p traffic, TP 1): the histogram plan with the folded device
      fallback (vLLM's chain on the step, at its exact size, where a request is flagged; no
-     host read) -- not the plug-in's call yet (its top-p steps read the flags until this path
-     has run on a GPU);
+     host read) -- the plug-in's top-p call at TP 1 up to ``TOPP_FOLD_MAX_ROWS`` rows (the
+     host read and resolution, ``shardmax-hist+resolve``, above);
    * ``shardmax-hist+resolve`` (top-p traffic): the same with the top-p rows verified from level
      histograms (``VocabShard.verify(rows, topp=pipeline_for(rows, "cuda", version))``, replayed
      from its CUDA graphs on a static copy of the logits: the plug-in's top-p call) instead of
