@@ -55,17 +55,19 @@ Host us per call (behind the stand-in forward) and us per call of 50 calls back 
 nothing else queued (CUDA events: the slower of the GPU's work and the host's launches); the
 stand-in's own tile copy is in both.
 
-**5. The device fallback's call by part (TP 1, temperature traffic).** The replayed call alone
-and with :class:`~shardmax.integrations.vllm.fallback.DeviceFallback` after it, the fallback's
-run alone and its conditional graph's launch (GPU busy / idle); ``--only-fallback``: this
-section alone, with a cProfile of the run per row count. Needs vLLM's extracted chain and
-conditional graphs (else skipped, the reason printed).
+**5. The folded call by part (TP 1; temperature and top-p traffic).** The plug-in's sampled
+call with :class:`~shardmax.integrations.vllm.fallback.DeviceFallback` folded into the replayed
+step's graph (:func:`fold_parts`): the call without the fallback and with it, the fold's own
+host work, its words, the folded slot graph's launch (a conditional graph) against the plain
+slot graph's replay, and a conditional graph with a one-kernel body; ``--only-fold``: this
+section alone, with a cProfile of the folded call per row count. Needs vLLM's extracted chain
+and conditional graphs (else skipped, the reason printed).
 
 Needs a GPU.
 
     python -m benchmarks.host_costs [--reqs 8,128] [--steps 300] [--forward-us 750]
-        [--part-rows 32,512] [--split-rows 32,512] [--fallback-rows 4,32,96,512]
-        [--only-fallback]
+        [--part-rows 32,512] [--split-rows 32,512] [--fold-rows 32,256]
+        [--only-fold]
         [--out benchmarks/results/<arch>/host_costs]
 """
 
@@ -80,6 +82,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .report import write_rows
@@ -314,21 +317,50 @@ def replay_parts(forward: Any, rows_list: list[int], vocab: int = 200064) -> lis
     return out
 
 
-FALLBACK_PARTS = ("shardmax call (no fallback)", "whole call with the device fallback",
-                  "DeviceFallback.run", "conditional graph launch (GPU busy)",
-                  "conditional graph launch (GPU idle)")  # fmt: skip
+FOLD_PARTS = ("shardmax call (no fallback)", "whole call, fallback folded", "DeviceFallback.fold",
+              "epilogue words (write)", "plain slot graph replay (GPU busy)",
+              "folded slot graph launch (GPU busy)", "folded slot graph launch (GPU idle)",
+              "conditional graph, 1-kernel body (GPU busy)")  # fmt: skip
 
 
-def fallback_parts(forward: Any, rows_list: list[int], vocab: int = 200064,
-                   profile: bool = False) -> list[dict[str, Any]]:  # fmt: skip
-    """Section 5: the engine's ``shardmax+device`` call (temperature traffic, TP 1) by part:
-    the replayed call alone, the call with :class:`DeviceFallback.run` after it, the fallback's
-    run alone and its conditional graph's launch (GPU busy: the host ahead of the GPU as in the
-    engine; idle: nothing queued). ``profile``: a cProfile of 200 runs of the fallback per row
-    count, printed (the 14 costliest functions by own time)."""
+def _graph_nodes(graph: Any) -> int:
+    """Nodes of a torch CUDA graph kept with ``keep_graph=True`` (``cuGraphGetNodes``)."""
+    import ctypes
+
+    from shardmax.runtime.conditional import _driver
+
+    n = ctypes.c_size_t(0)
+    _driver()("cuGraphGetNodes", ctypes.c_void_p(graph.raw_cuda_graph()), None, ctypes.byref(n))
+    return int(n.value)
+
+
+def _captured(step: Any, folded: bool) -> Any:
+    """The replayed signature of an engine ``step`` (``benchmarks.engine._shardmax_step``) that
+    has slots (``folded``: the one whose slots run the device fallback)."""
+    for graphed in step.shard._graphed.values():
+        for got in graphed._graphs.values():
+            if got.slots and got.folded == folded:
+                return got
+    return None
+
+
+def fold_parts(forward: Any, rows_list: list[int], vocab: int = 200064,
+               profile: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+    """Section 5: the plug-in's sampled call at TP 1 with the device fallback folded into its
+    replayed graph (``benchmarks.engine``'s ``shardmax+fold`` on temperature traffic and
+    ``shardmax-hist+fold`` on top-p traffic) by part: the replayed call without the fallback
+    and with it, :meth:`DeviceFallback.fold` alone, the epilogue's words, the plain slot graph's
+    replay against the folded slot graph's launch (a conditional graph: GPU busy / idle, the
+    last table's flags: nothing flagged, the body skipped) and a conditional graph with a
+    one-kernel body (what the conditional node costs by itself); the folded graph's nodes (its
+    prologue -- the step -- and its body, vLLM's chain) are printed. ``profile``: a cProfile
+    of the whole folded call per row count (the 16 costliest functions by own time)."""
     from benchmarks.engine import _shardmax_step
     from shardmax.integrations.vllm.fallback import DeviceFallback
     from shardmax.integrations.vllm.resolution import CapturedResolution
+    from shardmax.reference.nucleus_replay import pipeline_for
+    from shardmax.runtime.conditional import IfGraph
+    from shardmax.runtime.topp_tables import set_sigma_table
     from shardmax.testing.traffic import realistic_batch
     from shardmax.testing.vllm_chain import NativeChain, verify_inputs
 
@@ -338,59 +370,89 @@ def fallback_parts(forward: Any, rows_list: list[int], vocab: int = 200064,
         return []
     chain = list(chains.values())[-1]  # discover() sorts by version
     resolver = CapturedResolution(chain)
-    out = []
     why = DeviceFallback(chain).unavailable(torch.device("cuda", torch.cuda.current_device()))
     if why is not None:
         print(f"section 5 not measured: {why}", file=sys.stderr)
         return []
-    for rows in rows_list:
-        fb = DeviceFallback(chain)
-        t = realistic_batch(max(1, rows // 4), 3, vocab, seed=rows, mix="temperature",
-                            device="cuda")  # fmt: skip
-        kw = verify_inputs(t)
-        prefill = (kw["seq_lens"], kw["prefill_len"])
-        plain = _shardmax_step(t, "temperature", prefill)
-        step = _shardmax_step(t, "temperature", prefill, (resolver, kw), device=fb)
-        for _ in range(4):  # eager, captured, replayed; the fallback's host read, its capture
-            plain()
-            step()
-        torch.cuda.synchronize()
-        res = plain()
-        bucket = next(iter(fb._buckets.values()), None)
-        if bucket is None or bucket.failed:
-            print(f"section 5, {rows} rows: not captured ({fb.stats})", file=sys.stderr)
-            continue
+    set_sigma_table(list(chain.modules.topk_topp._NORMAL_CDF_TO_SIGMA_TABLE))
+    flag = torch.zeros(1, dtype=torch.bool, device="cuda")
+    scratch = torch.zeros(1024, device="cuda")
+    tiny = IfGraph(lambda: flag, lambda: scratch.add_(1), torch.device("cuda"))
+    out = []
+    for mix in ("temperature", "top_p"):
+        for rows in rows_list:
+            fb = DeviceFallback(chain)
+            t = realistic_batch(max(1, rows // 4), 3, vocab, seed=rows, mix=mix, device="cuda")
+            n = int(t.logits.shape[0])
+            kw = verify_inputs(t)
+            prefill = (kw["seq_lens"], kw["prefill_len"])
+            topp = pipeline_for(n, "cuda", chain.version) if mix == "top_p" else None
+            plain = _shardmax_step(t, mix, prefill, topp=topp)
+            step = _shardmax_step(t, mix, prefill, (resolver, kw), topp=topp, device=fb,
+                                  fold=True)  # fmt: skip
+            for _ in range(4):  # eager, captured, replayed (the fold's first steps host-read)
+                plain()
+                step()
+            torch.cuda.synchronize()
+            got, bare = _captured(step, True), _captured(plain, False)
+            if got is None or bare is None or step.calls["folded"] == 0:
+                print(f"section 5, {mix} {n} rows: not folded ({fb.stats}, {step.calls})",
+                      file=sys.stderr)  # fmt: skip
+                continue
+            folded, slot0 = got.slots[0].graph.graph, got.slots[0]
+            prologue, body = (_graph_nodes(g) for g in (folded._prologue, folded._body))
+            ep = fb.fold(t.logits, **kw, checks=False)
+            words = np.zeros(ep.words, dtype=np.int64)
 
-        def run(res: Any = res, fb: Any = fb, kw: Any = kw, t: Any = t) -> Any:
-            return fb.run(res, t.logits, **kw, checks=False)
+            def fold(fb: Any = fb, t: Any = t, kw: Any = kw) -> Any:
+                return fb.fold(t.logits, **kw, checks=False)
 
-        def launch(bucket: Any = bucket) -> None:
-            slot = bucket.slot()
-            if slot is not None:  # the table the step wrote last: nothing flagged, body skipped
-                slot.request()
-                slot.graph.launch()
+            def write(ep: Any = ep, words: Any = words, slot: Any = slot0) -> None:
+                ep.write(words, slot.made)
 
-        calls = {FALLBACK_PARTS[0]: (plain, forward.replay), FALLBACK_PARTS[1]: (step, forward.replay),
-                 FALLBACK_PARTS[2]: (run, forward.replay), FALLBACK_PARTS[3]: (launch, forward.replay),
-                 FALLBACK_PARTS[4]: (launch, None)}  # fmt: skip
-        for part, (call, busy) in calls.items():
-            times = _host_us(call, busy)
-            p50, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
-            out.append({"mix": "temperature", "rows": int(t.logits.shape[0]), "part": part,
-                        "host_us_p50": p50, "host_us_p90": p90})  # fmt: skip
-            print(f"temperature rows={t.logits.shape[0]:4} {part:38} host p50 {p50:6.1f} us  "
-                  f"p90 {p90:6.1f} us", flush=True)  # fmt: skip
-        print(f"  fallback stats: {fb.stats}", flush=True)
-        if profile:
-            import cProfile
-            import pstats
+            def launch(slot: Any) -> Callable[[], None]:
+                def go() -> None:  # the table the step wrote last
+                    slot.request()
+                    slot.graph.replay()
 
-            prof = cProfile.Profile()
-            prof.enable()
-            _host_us(run, forward.replay)
-            prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+                return go
+
+            calls = {FOLD_PARTS[0]: (plain, forward.replay), FOLD_PARTS[1]: (step, forward.replay),
+                     FOLD_PARTS[2]: (fold, forward.replay), FOLD_PARTS[3]: (write, forward.replay),
+                     FOLD_PARTS[4]: (launch(bare.slots[0]), forward.replay),
+                     FOLD_PARTS[5]: (launch(slot0), forward.replay),
+                     FOLD_PARTS[6]: (launch(slot0), None),
+                     FOLD_PARTS[7]: (tiny.launch, forward.replay)}  # fmt: skip
+            print(f"{mix} rows={n}: folded graph {prologue} step nodes + {body} body nodes "
+                  f"(vLLM's chain); calls {step.calls}", flush=True)  # fmt: skip
+            for part, (call, busy) in calls.items():
+                times = _host_us(call, busy)
+                p50, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
+                out.append({"mix": mix, "rows": n, "part": part, "host_us_p50": p50,
+                            "host_us_p90": p90})  # fmt: skip
+                print(f"{mix:11} rows={n:4} {part:44} host p50 {p50:6.1f} us  p90 {p90:6.1f} us",
+                      flush=True)  # fmt: skip
+            if profile:
+                import cProfile
+                import pstats
+
+                prof = cProfile.Profile()
+                prof.enable()
+                _host_us(step, forward.replay)
+                prof.disable()
+                print(f"--- host profile: {mix} rows={n}, whole folded call (200 calls)")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(16)
     return out
+
+
+def _fold_table(rows: list[dict[str, Any]]) -> str:
+    """Section 5's table (markdown)."""
+    lines = ["# The folded call by part (TP 1, GPU busy unless said)", "",
+             "| mix | rows | part | host us p50 | host us p90 |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['mix']} | {r['rows']} | {r['part']} | {r['host_us_p50']:.1f} | "
+                     f"{r['host_us_p90']:.1f} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 SPLIT_FIELDS = ["tp", "mix", "rows", "exchange", "host_us_p50", "host_us_p90", "b2b_us_p50"]
@@ -525,14 +587,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part-rows", default="32,512", help="row counts of section 3")
     ap.add_argument("--split-rows", default="32,512", help="row counts of section 4")
     ap.add_argument(
-        "--fallback-rows",
-        default="4,32,96,512",
-        help="row counts of section 5 (the device fallback by part)",
+        "--fold-rows", default="32,256", help="row counts of section 5 (the folded call by part)"
     )
     ap.add_argument(
-        "--only-fallback",
+        "--only-fold",
         action="store_true",
-        help="section 5 alone (with a cProfile of the fallback's run)",
+        help="section 5 alone (with a cProfile of the folded call)",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -544,12 +604,13 @@ def main(argv: list[str] | None = None) -> int:
 
     forward, forward_us = _forward_graph(args.forward_us)
     print(f"stand-in forward: {forward_us:.0f} us")
-    fb_rows_list = [int(r) for r in args.fallback_rows.split(",")]
+    fold_rows_list = [int(r) for r in args.fold_rows.split(",")]
     out = args.out or Path("benchmarks/results") / (detect_arch() or "unknown") / "host_costs"
-    if args.only_fallback:
+    if args.only_fold:
         out.mkdir(parents=True, exist_ok=True)
-        write_rows(out / "fallback_parts.csv", PART_FIELDS,
-                   fallback_parts(forward, fb_rows_list, profile=True))  # fmt: skip
+        fold_rows = fold_parts(forward, fold_rows_list, profile=True)
+        write_rows(out / "fold_parts.csv", PART_FIELDS, fold_rows)
+        (out / "HOST_COSTS.md").write_text(_fold_table(fold_rows) + "\n")
         return 0
     rows = []
     for reqs in (int(r) for r in args.reqs.split(",")):
@@ -565,21 +626,17 @@ def main(argv: list[str] | None = None) -> int:
     launch_rows = launches(forward)
     part_rows = replay_parts(forward, [int(r) for r in args.part_rows.split(",")])
     split_rows = split_replay(forward, [int(r) for r in args.split_rows.split(",")])
-    fb_rows = fallback_parts(forward, fb_rows_list)
+    fold_rows = fold_parts(forward, fold_rows_list)
     out.mkdir(parents=True, exist_ok=True)
     for name, fields, data in (("flag_read.csv", FIELDS, rows),
                                ("launches.csv", LAUNCH_FIELDS, launch_rows),
                                ("replay_parts.csv", PART_FIELDS, part_rows),
                                ("split_replay.csv", SPLIT_FIELDS, split_rows),
-                               ("fallback_parts.csv", PART_FIELDS, fb_rows)):  # fmt: skip
+                               ("fold_parts.csv", PART_FIELDS, fold_rows)):  # fmt: skip
         write_rows(out / name, fields, data)
     text = summary(rows, launch_rows, part_rows, split_rows)
-    if fb_rows:
-        text += "\n\n# The device fallback's call by part (temperature, TP 1)\n\n" + "\n".join(
-            ["| rows | part | host us p50 | host us p90 |", "|---|---|---|---|"]
-            + [f"| {r['rows']} | {r['part']} | {r['host_us_p50']:.1f} | {r['host_us_p90']:.1f} |"
-               for r in fb_rows]
-        )  # fmt: skip
+    if fold_rows:
+        text += "\n\n" + _fold_table(fold_rows)
     (out / "HOST_COSTS.md").write_text(text + "\n")
     print(text)
     return 0

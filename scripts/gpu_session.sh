@@ -61,8 +61,10 @@
 #                                   graphs, vLLM's chain inside them, buckets), every graph GPU
 #                                   test (table_copy, the fetched output slots), then the engine
 #                                   loop
-#   bash scripts/gpu_session.sh FP  one H200: the device fallback's GPU tests, then its host cost
-#                                   by part with a cProfile of its run
+#   bash scripts/gpu_session.sh FP  one H200: the conditional graphs' and the device fallback's
+#                                   GPU tests (TESTS=0: none), then the folded call's host cost
+#                                   by part with a cProfile of it
+#   bash scripts/gpu_session.sh EN  one H200: the engine-faithful loop alone (MIXES=...)
 #   bash scripts/gpu_session.sh FM  one H200: the GPU memory the folded device fallback holds
 #   bash scripts/gpu_session.sh FT  one H200: the fallback GPU tests, then the engine loop on
 #                                   top-p traffic (the folded fallback behind histogram top-p)
@@ -773,18 +775,22 @@ DF)
   rm -rf "$OUT/engine"
   ;;
 FP)
-  # the device fallback's host cost by part (benchmarks.host_costs --only-fallback: the call
-  # with and without it, its run, its conditional graph's launch, a cProfile of the run), after
-  # its GPU tests
+  # the folded call's host cost by part (benchmarks.host_costs --only-fold: the call with and
+  # without the folded device fallback, the fold's own work, its conditional graph's launch
+  # against the plain replay, a cProfile of the folded call), after the conditional graphs'
+  # and the fallback's GPU tests
+  # (TESTS=0: the measurement alone)
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
-  stamp "device fallback GPU tests"
-  timeout "$(left 150)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fallback.py \
-    >"$OUT/fallback_FP.log" 2>&1
-  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/fallback_FP.log" | tail -8
-  stamp "device fallback host cost by part"
-  timeout "$(left 420)" python3 -m benchmarks.host_costs --only-fallback \
-    --out "$OUT/host_costs_fallback" >"$OUT/fallback_parts.log" 2>&1
-  echo "  rc=$?"; grep -E "^temperature|stats|tottime|^ +[0-9]" "$OUT/fallback_parts.log" | head -90
+  if [ "${TESTS:-1}" != 0 ]; then
+    stamp "conditional graph + device fallback GPU tests"
+    timeout "$(left 240)" python3 -m pytest -m gpu -q -p no:cacheprovider \
+      tests/test_conditional.py tests/test_fallback.py >"$OUT/fallback_FP.log" 2>&1
+    echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/fallback_FP.log" | tail -8
+  fi
+  stamp "folded call host cost by part"
+  timeout "$(left 420)" python3 -m benchmarks.host_costs --only-fold \
+    --out "$OUT/host_costs_fold" >"$OUT/fold_parts.log" 2>&1
+  echo "  rc=$?"; grep -E "^(temperature|top_p)|nodes|tottime|Error|^ +[0-9]" "$OUT/fold_parts.log" | head -120
   ;;
 PL)
   # after a change of the graph pools: their own GPU tests and the conditional graphs', the
@@ -810,6 +816,17 @@ FT)
     --out "$OUT/engine" >"$OUT/engine_FT.log" 2>&1
   echo "  rc=$?"; grep -E "^top_p .*(hist|vllm )|Error" "$OUT/engine_FT.log" | head -30
   tar -czf "$OUT/FT.tar.gz" -C "$OUT" engine 2>/dev/null
+  rm -rf "$OUT/engine"
+  ;;
+EN)
+  # the engine-faithful loop alone (MIXES: its traffic mixes, default every one), into
+  # $OUT/EN.tar.gz
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "engine loop (${MIXES:-greedy,temperature,top_p})"
+  timeout "$(left 570)" python3 -m benchmarks.engine --steps 100 \
+    --mixes "${MIXES:-greedy,temperature,top_p}" --out "$OUT/engine" >"$OUT/engine_EN.log" 2>&1
+  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) |Error" "$OUT/engine_EN.log" | head -60
+  tar -czf "$OUT/EN.tar.gz" -C "$OUT" engine 2>/dev/null
   rm -rf "$OUT/engine"
   ;;
 FM)
