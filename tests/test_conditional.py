@@ -5,7 +5,8 @@ CPU: the driver structures' layout (cuda.h of CUDA 12.4+), the refusal off CUDA,
 the set-conditional kernel assembled by ``ptxas`` where a CUDA toolkit is installed. GPU: the
 body skipped / taken on the predicate a kernel of the prologue computes, Triton kernels and
 torch ops with allocations in both pieces, many launches without a host sync, twice with the
-same bits.
+same bits; array predicates (any flag set, at the warp's lane edges and past its first pass)
+and the predicates refused.
 """
 
 from __future__ import annotations
@@ -107,6 +108,51 @@ def test_gpu_if_graph_runs_the_body_only_when_the_predicate_is_set() -> None:
         if i % 3 == 0:
             expect = expect * 2 + 1
     assert x[0].item() == expect
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2, 31, 32, 33, 64, 97, 300, 1000])
+def test_gpu_if_graph_reads_every_flag_of_an_array_predicate(n: int) -> None:
+    """A predicate of ``n`` flags (bool, or uint8 holding any nonzero value): the body runs on
+    a launch exactly when one of them is set, wherever it sits -- first, last, at the warp's
+    lane edges (31, 32, 33), past the first pass of the warp -- and never on all-zero flags
+    (twice: the same bits)."""
+    dev = _cuda()
+    for dtype, value in ((torch.bool, True), (torch.uint8, 2), (torch.uint8, 255)):
+        flags = torch.zeros(n, dtype=dtype, device=dev)
+        hits = torch.zeros((), dtype=torch.int64, device=dev)
+        g = IfGraph(lambda flags=flags: flags, lambda hits=hits: hits.add_(1), dev)
+        at = sorted({i for i in (0, 1, 30, 31, 32, 33, 63, 64, n // 2, n - 1) if i < n})
+        for _ in range(2):
+            hits.zero_()
+            flags.zero_()
+            g.launch()  # nothing set: skipped
+            for i in at:
+                flags.zero_()
+                flags[i] = value
+                g.launch()
+            flags.zero_()
+            g.launch()
+            flags.fill_(value)
+            g.launch()  # every flag set
+            torch.cuda.synchronize()
+            assert hits.item() == len(at) + 1, (dtype, n, at, hits.item())
+
+
+@pytest.mark.gpu
+def test_gpu_if_graph_refuses_bad_predicates() -> None:
+    dev = _cuda()
+    bad = {
+        "2-D": torch.zeros(2, 2, dtype=torch.bool, device=dev),
+        "empty": torch.zeros(0, dtype=torch.bool, device=dev),
+        "float": torch.zeros(4, device=dev),
+        "strided": torch.zeros(8, dtype=torch.bool, device=dev)[::2],
+        "host": torch.zeros(4, dtype=torch.bool),
+    }
+    for name, pred in bad.items():
+        with pytest.raises(ValueError, match="prologue: expected a contiguous bool"):
+            IfGraph(lambda pred=pred: pred, lambda: None, dev)
+            pytest.fail(f"a {name} predicate was taken")
 
 
 @pytest.mark.gpu

@@ -10,8 +10,8 @@ whose IF node runs its body only when a kernel before it set the node's conditio
 torch ops and allocations are what an ordinary ``torch.cuda.graph`` capture records):
 
 * the **prologue**: whatever computes the predicate, ending with one launch of
-  ``shardmax_set_conditional`` that reads the predicate (one byte, nonzero = run) and sets the
-  IF node's condition (``cudaGraphSetConditional``);
+  ``shardmax_set_conditional`` that reads the predicate (a byte or an array of bytes, one warp;
+  any nonzero = run) and sets the IF node's condition (``cudaGraphSetConditional``);
 * the **body**: the work to run when the predicate is set;
 
 then puts them together with the CUDA driver API (ctypes; PyTorch 2.11, the H200 image's, has
@@ -20,7 +20,7 @@ no conditional-node API of its own)::
     child graph (prologue) -> IF node { child graph (body) }
 
 and instantiates it. :meth:`IfGraph.launch` is one ``cuGraphLaunch`` on the current stream: no
-host sync, whatever the predicate. ``shardmax_set_conditional`` is a four-instruction kernel
+host sync, whatever the predicate. ``shardmax_set_conditional`` is a one-warp kernel
 written in PTX (:data:`SET_CONDITIONAL_PTX`; Triton cannot call the device runtime), JIT-compiled
 by the driver once per process and device.
 
@@ -58,33 +58,55 @@ SET_CONDITIONAL_PTX = b"""
 
 .visible .entry shardmax_set_conditional(
     .param .u64 handle_param,
-    .param .u64 predicate_param
+    .param .u64 predicate_param,
+    .param .u32 n_param
 )
 {
-    .reg .pred %p<2>;
+    .reg .pred %p<4>;
     .reg .b16 %h<2>;
-    .reg .b32 %r<2>;
-    .reg .b64 %rd<4>;
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<6>;
 
     ld.param.u64 %rd1, [handle_param];
     ld.param.u64 %rd2, [predicate_param];
+    ld.param.u32 %r1, [n_param];
     cvta.to.global.u64 %rd3, %rd2;
-    ld.global.u8 %h1, [%rd3];
-    setp.ne.u16 %p1, %h1, 0;
-    selp.u32 %r1, 1, 0, %p1;
+    mov.u32 %r2, %tid.x;
+    mov.u32 %r3, 0;
+$L_next:
+    setp.ge.u32 %p1, %r2, %r1;
+    @%p1 bra $L_vote;
+    cvt.u64.u32 %rd4, %r2;
+    add.s64 %rd5, %rd3, %rd4;
+    ld.global.u8 %h1, [%rd5];
+    cvt.u32.u16 %r4, %h1;
+    or.b32 %r3, %r3, %r4;
+    add.s32 %r2, %r2, 32;
+    bra.uni $L_next;
+$L_vote:
+    setp.ne.u32 %p2, %r3, 0;
+    vote.sync.any.pred %p3, %p2, 0xffffffff;
+    mov.u32 %r5, %tid.x;
+    setp.ne.u32 %p1, %r5, 0;
+    @%p1 bra $L_done;
+    selp.u32 %r6, 1, 0, %p3;
     {
     .param .b64 param0;
     st.param.b64 [param0+0], %rd1;
     .param .b32 param1;
-    st.param.b32 [param1+0], %r1;
-    call.uni cudaGraphSetConditional, (param0, param1);
+    st.param.b32 [param1+0], %r6;
+    call cudaGraphSetConditional, (param0, param1);
     }
+$L_done:
     ret;
 }
 """
-"""``shardmax_set_conditional(handle, predicate)``: one thread reads the byte at ``predicate``
-and sets the conditional ``handle`` to 1 when it is nonzero, else 0 (PTX ISA 8.3, CUDA 12.3's,
-the first with ``cudaGraphSetConditional``; JIT-compiled for the device by the driver)."""
+"""``shardmax_set_conditional(handle, predicate, n)``, launched as one warp: its 32 lanes read
+the ``n`` bytes at ``predicate`` (lane ``i`` bytes ``i, i + 32, ...``), vote, and lane 0 sets
+the conditional ``handle`` to 1 when any byte is nonzero, else 0 -- so a prologue's predicate
+may be a whole array of flags, with no reduction kernel of its own before this one (PTX ISA
+8.3, CUDA 12.3's, the first with ``cudaGraphSetConditional``; JIT-compiled for the device by
+the driver)."""
 
 # cuda.h (CUDA 12.4+): CU_GRAPH_NODE_TYPE_CONDITIONAL, CU_GRAPH_COND_TYPE_IF,
 # CU_GRAPH_COND_ASSIGN_DEFAULT; CUgraphNodeParams is 256 bytes, its union at byte 16;
@@ -125,10 +147,23 @@ class _Driver:
     def __call__(self, name: str, *args: Any) -> None:
         rc = getattr(self.lib, name)(*args)
         if rc != 0:
+            self.check(name, rc)
+
+    def check(self, name: str, rc: int) -> None:
+        """Raises for a driver call ``name`` that returned ``rc`` (0: nothing)."""
+        if rc != 0:
             msg = ctypes.c_char_p()
             self.lib.cuGetErrorString(rc, ctypes.byref(msg))
             text = msg.value.decode() if msg.value else "unknown error"
             raise RuntimeError(f"{name} failed: CUDA driver error {rc} ({text})")
+
+    def graph_launch(self) -> Any:
+        """``cuGraphLaunch(exec, stream)`` with its argument types bound (a handle and a raw
+        stream, both plain integers): returns the driver's result code."""
+        fn = self.lib.cuGraphLaunch
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+        fn.restype = ctypes.c_int
+        return fn
 
     def context(self) -> ctypes.c_void_p:
         ctx = ctypes.c_void_p()
@@ -225,7 +260,9 @@ class IfGraph:
 
     Args:
         prologue: called once, under a CUDA-graph capture; launches what computes the predicate
-            and returns it: a CUDA tensor of one element (bool or uint8; nonzero = run the body).
+            and returns it: a contiguous CUDA tensor of bool or uint8 of one dimension at most
+            and at least one element (a flag, or an array of flags: the body runs when any
+            of them is nonzero; ``shardmax_set_conditional`` reads them all, one warp).
         body: called once, under another capture; launches the work of the body. Its outputs
             and the predicate are kept alive with this object.
         device: the CUDA device.
@@ -242,7 +279,7 @@ class IfGraph:
     Raises:
         RuntimeError: :func:`unavailable` names a reason, or a driver call failed (named, with
             the driver's error).
-        ValueError: the prologue's predicate is not a one-element CUDA tensor of bool / uint8.
+        ValueError: the prologue's predicate is not such a tensor.
     """
 
     def __init__(
@@ -261,6 +298,7 @@ class IfGraph:
 
         drv = _driver()
         self.device = device
+        self._launch = drv.graph_launch()
         self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self._exec = ctypes.c_void_p()
         self._graph = ctypes.c_void_p()
@@ -280,24 +318,29 @@ class IfGraph:
                     pred = prologue()
                     if (
                         not isinstance(pred, torch.Tensor)
-                        or pred.numel() != 1
+                        or not 1 <= pred.numel() < 2**31
+                        or pred.dim() > 1
+                        or not pred.is_contiguous()
                         or pred.device != device
                         or pred.dtype not in (torch.bool, torch.uint8)
                     ):
                         raise ValueError(
-                            "prologue: expected a one-element bool / uint8 tensor on "
-                            f"{device}, got "
+                            "prologue: expected a contiguous bool / uint8 tensor of one "
+                            f"dimension at most and at least one element on {device}, got "
                             f"{getattr(pred, 'dtype', type(pred).__name__)} "
                             f"{list(getattr(pred, 'shape', []))} on {getattr(pred, 'device', '-')}"
                         )
                     stream = torch.cuda.current_stream(device).cuda_stream
-                    if torch.cuda.is_current_stream_capturing():
-                        args = (ctypes.c_uint64(handle.value), ctypes.c_uint64(pred.data_ptr()))
-                        ptrs = (ctypes.c_void_p * 2)(
+                    if torch.cuda.is_current_stream_capturing():  # one warp reads every byte
+                        args = (
+                            ctypes.c_uint64(handle.value), ctypes.c_uint64(pred.data_ptr()),
+                            ctypes.c_uint32(pred.numel()),
+                        )  # fmt: skip
+                        ptrs = (ctypes.c_void_p * 3)(
                             *(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args)
                         )
                         drv(
-                            "cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(stream),
+                            "cuLaunchKernel", fn, 1, 1, 1, 32, 1, 1, 0, ctypes.c_void_p(stream),
                             ptrs, None,
                         )  # fmt: skip
                     return pred
@@ -356,9 +399,11 @@ class IfGraph:
 
     def launch(self) -> None:
         """Run the graph on the current stream: the prologue, then the body where the predicate
-        is set. No host sync."""
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        _driver()("cuGraphLaunch", self._exec, ctypes.c_void_p(stream))
+        is set. No host sync. (The raw stream handle and the bound driver entry point: about
+        as much host time as ``CUDAGraph.replay``'s own launch.)"""
+        rc = self._launch(self._exec, torch._C._cuda_getCurrentRawStream(self.device.index))
+        if rc != 0:
+            _driver().check("cuGraphLaunch", rc)
 
     def __del__(self) -> None:
         try:

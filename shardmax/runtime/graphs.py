@@ -493,7 +493,7 @@ class _Captured:
                 self._body(copy_out=True)
                 if slot.fold is not None:  # off CUDA: the predicate read on the host
                     predicate, fold_body = slot.fold
-                    if bool(predicate()):
+                    if bool(predicate().any()):
                         fold_body()
         except BaseException:  # the request may never be fetched: never wait for it
             slot.retired = True
@@ -534,8 +534,9 @@ class Epilogue(Protocol):
         self, table: torch.Tensor, result: Any
     ) -> tuple[Callable[[], torch.Tensor], Callable[[], Any]]:
         """``(predicate, body)`` of one slot: ``table`` is the device view of its words,
-        ``result`` the slot's outputs. ``predicate()`` launches what decides (a one-element bool
-        / uint8 tensor, nonzero = run), ``body()`` the work. On CUDA both are captured and run
+        ``result`` the slot's outputs. ``predicate()`` launches what decides and returns it (a
+        contiguous bool / uint8 tensor of one dimension at most: run when any element is
+        nonzero), ``body()`` the work. On CUDA both are captured and run
         once eagerly before (``IfGraph`` 's warm-up; ``capture`` is called for the warm-up and
         again for the capture, the second pair kept), so they must be capturable; off CUDA
         they run eagerly on each step of the slot (the predicate read on the host). Raising
