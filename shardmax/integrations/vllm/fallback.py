@@ -21,24 +21,29 @@ read alone, with nothing flagged).
 So every request ends with vLLM's answer -- shardmax's where nothing was flagged (identical by
 construction, the parity tests' claim), vLLM's own where something was -- and a step's host work
 is writing ~30 int64 into a page-locked table the GPU reads in place and one graph launch,
-whatever the flags say: no copy call. Measured (H100, ``benchmarks.host_costs --only-fallback``),
-that second call after the replayed step still costs 95-190 us of host time (checks, signature
+whatever the flags say: no copy call. Measured (H100, stage FP at 81b043f,
+``benchmarks/results/sm90/host_costs_fallback``), that second call after the replayed step still costs 95-190 us of host time (checks, signature
 and table in Python, then 22-42 us for the conditional graph's launch with the GPU busy) and
 20-24 us of GPU time: its step gets 1-7 % fewer tokens/s than vLLM's chain at T = 1
 (though more than the host-read path at most row counts).
 
 **Folded into the replayed step** (:meth:`DeviceFallback.fold`): the same prologue and body as
 an epilogue of the step's own replayed graph (:class:`shardmax.runtime.graphs.Epilogue`): the
-output slot's graph runs ``table_fetch`` -> shardmax's kernels -> ``any`` of the slot's own
-flags -> IF { the body }, the fallback's words fetched with the step's (the body first merges
-them with its bucket's static addresses, on the device). No second call, no second table, no
-flag copy: what the fold adds to a replayed step is its signature and table words on the host
-(~20 us on the CI machine's host) and one reduction and a conditional node on the GPU. The
+output slot's graph runs ``table_fetch`` -> shardmax's kernels -> the set-conditional warp
+reading the slot's own flags -> IF { the body }, the fallback's words fetched with the step's
+(the body first merges them with its bucket's static addresses, on the device). No second
+call, no second table, no flag copy: what the fold adds to a replayed step is its signature and
+table words on the host (17-20 us on the CI machine's host, 2-3x that on the GPU machines')
+and the one-warp set-conditional kernel and a conditional node on the GPU; its launch costs
+the host about what a plain graph replay does (7.5 against 6 us, ``benchmarks/results/sm90/
+host_costs_fold``). The
 plug-in offers it first (on by default at TP 1 on CUDA: ``$SHARDMAX_VLLM_DEVICE_FALLBACK``)
 and calls :meth:`run` only on steps that did not replay from a slot (a new signature's eager
 steps, copy-out steps). Measured in the engine loop (H100, ``benchmarks/results/sm90/
 engine_fold``): above the second call, the host read and vLLM's chain in tokens/s at every row
-count at T = 1; 13-18 us of GPU time and 104-152 us of host p50 over the bare replay. Behind
+count at T = 1; 13-18 us of GPU time and 104-152 us of host p50 over the bare replay (since the
+leaner launch and words, ``engine_fold_launch``: 12-15 us and 60-83 us, within 1 % of vLLM's
+chain in tokens/s at every row count). Behind
 level-histogram top-p (T = 1, top-p 0.95, ``engine_topp_fold``, two runs) it beats the host read
 and per-request resolution by 11-49 % in tokens/s at 4-256 rows (by 44-49 % at 96 rows, the one
 batch of them with a flagged request, where it still trails vLLM's chain by 19-20 %: that chain
