@@ -155,6 +155,68 @@ def test_gpu_if_graph_refuses_bad_predicates() -> None:
             pytest.fail(f"a {name} predicate was taken")
 
 
+def _edge_types(graph: int) -> list[int]:
+    """The dependency type of every edge of a CUDA graph (``cuGraphGetEdges_v2``'s
+    ``CUgraphEdgeData.type``: 0 default, 1 programmatic)."""
+    drv = conditional._driver()
+    n = ctypes.c_size_t(0)
+    g = ctypes.c_void_p(graph)
+    drv("cuGraphGetEdges_v2", g, None, None, None, ctypes.byref(n))
+    src, dst = (ctypes.c_void_p * n.value)(), (ctypes.c_void_p * n.value)()
+    data = (ctypes.c_uint8 * (8 * n.value))()  # from_port, to_port, type, reserved[5]
+    drv("cuGraphGetEdges_v2", g, src, dst, data, ctypes.byref(n))
+    return [data[8 * i + 2] for i in range(n.value)]
+
+
+@pytest.mark.gpu
+def test_gpu_if_graph_prologue_keeps_pdl_and_the_body_drops_it() -> None:
+    """With programmatic dependent launch on, the prologue's kernels keep their programmatic
+    edges (as in a plain graph) and the body's have none; the predicate the prologue's last
+    PDL kernel writes still decides every launch (twice: the same bits)."""
+    from shardmax.runtime import kernels
+
+    dev = _cuda()
+    if not kernels.pdl_supported(dev.index):
+        pytest.skip("PDL needs compute capability 9.0")
+    copy = kernels.kernel("table_copy")
+    src = torch.zeros(64, dtype=torch.bool, device=dev)
+    mid, pred = torch.zeros_like(src), torch.zeros_like(src)
+    hits = torch.zeros((), dtype=torch.int64, device=dev)
+    first = torch.tensor([src.data_ptr(), mid.data_ptr(), 64], device=dev)
+    second = torch.tensor([mid.data_ptr(), pred.data_ptr(), 64], device=dev)
+
+    def copies() -> None:
+        copy((1,), first, BLOCK=copy.module.BLOCK, SPREAD=False)
+        copy((1,), second, BLOCK=copy.module.BLOCK, SPREAD=False)
+
+    def prologue() -> torch.Tensor:
+        copies()  # src -> mid -> pred, the second launch programmatically after the first
+        return pred
+
+    def body() -> torch.Tensor:
+        copies()
+        return hits.add_(1)
+
+    before = kernels.set_pdl(True)
+    try:
+        g = IfGraph(prologue, body, dev)
+    finally:
+        kernels.set_pdl(before)
+    assert 1 in _edge_types(g._prologue.raw_cuda_graph())
+    assert 1 not in _edge_types(g._body.raw_cuda_graph())
+    for _ in range(2):
+        hits.zero_()
+        seen = []
+        for at in (None, 0, None, 63, 40, None):
+            src.zero_()
+            if at is not None:
+                src[at] = True
+            g.launch()
+            torch.cuda.synchronize()
+            seen.append(hits.item())
+        assert seen == [0, 1, 1, 2, 3, 3], seen
+
+
 @pytest.mark.gpu
 def test_gpu_if_graph_launch_cost() -> None:
     """Prints the GPU and host time of a launch with the body skipped and taken (informative)."""

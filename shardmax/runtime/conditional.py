@@ -29,7 +29,9 @@ conditional nodes (CUDA 12.4+), and a PyTorch whose ``CUDAGraph`` keeps its capt
 (``keep_graph=True``, ``raw_cuda_graph()``). A conditional body may only hold kernels, memsets,
 memcopies, child graphs and conditionals (no event or host nodes, no NCCL): the bodies here are
 captured without programmatic dependent launch (:func:`shardmax.runtime.kernels.set_pdl`), whose
-edges the driver does not document for conditional bodies.
+edges the driver does not document for conditional bodies; the prologue, a child graph before
+the IF node, keeps the caller's setting (a folded step's kernels overlap their launches as in
+its plain graph).
 """
 
 from __future__ import annotations
@@ -272,8 +274,10 @@ class IfGraph:
 
     The captures run each callable once on a side stream first (warm-up, as
     ``torch.cuda.make_graphed_callables`` does) with the real buffers: both callables must be
-    safe to run eagerly on the current inputs. Programmatic dependent launch is off while
-    capturing. A launch does not advance torch's RNG (``CUDAGraph.replay`` would): the pieces
+    safe to run eagerly on the current inputs. Programmatic dependent launch
+    (:func:`shardmax.runtime.kernels.set_pdl`) stays as the caller has it while the prologue is
+    captured (its programmatic edges sit in a child graph outside the conditional node) and is
+    off while the body is. A launch does not advance torch's RNG (``CUDAGraph.replay`` would): the pieces
     must not draw random numbers from torch.
 
     Raises:
@@ -302,7 +306,7 @@ class IfGraph:
         self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self._exec = ctypes.c_void_p()
         self._graph = ctypes.c_void_p()
-        was = set_pdl(False)
+        pdl = set_pdl(False)  # the caller's setting: the prologue's (the body never has it)
         try:
             with torch.cuda.device(device):
                 ctx = drv.context()
@@ -345,8 +349,8 @@ class IfGraph:
                         )  # fmt: skip
                     return pred
 
-                self._prologue, self._prologue_out = self._capture(prologue_and_set)
-                self._body, self._body_out = self._capture(body)
+                self._prologue, self._prologue_out = self._capture(prologue_and_set, pdl)
+                self._body, self._body_out = self._capture(body, False)
                 first = ctypes.c_void_p()
                 drv(
                     "cuGraphAddChildGraphNode", ctypes.byref(first), self._graph, None,
@@ -375,20 +379,27 @@ class IfGraph:
                     ctypes.c_ulonglong(0),
                 )  # fmt: skip
         finally:
-            set_pdl(was)
+            set_pdl(pdl)
 
-    def _capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
-        """``fn`` run once on a side stream, then captured (keeping its graph)."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(  # on this device's side stream, not torch's default one
-            graph, pool=self._pool, stream=side, capture_error_mode="thread_local"
-        ):
-            out = fn()
+    def _capture(self, fn: Callable[[], Any], pdl: bool) -> tuple[Any, Any]:
+        """``fn`` run once on a side stream, then captured (keeping its graph), with
+        programmatic dependent launch ``pdl`` for shardmax's kernels in both."""
+        from shardmax.runtime.kernels import set_pdl
+
+        was = set_pdl(pdl)
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(  # on this device's side stream, not torch's default one
+                graph, pool=self._pool, stream=side, capture_error_mode="thread_local"
+            ):
+                out = fn()
+        finally:
+            set_pdl(was)
         return graph, out
 
     @property
