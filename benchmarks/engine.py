@@ -48,7 +48,7 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
      host read and resolution, ``shardmax-hist+resolve``, above);
    * ``shardmax-hist+resolve`` (top-p traffic): the same with the top-p rows verified from level
      histograms (``VocabShard.verify(rows, topp=pipeline_for(rows, "cuda", version))``, replayed
-     from its CUDA graphs on a static copy of the logits: the plug-in's top-p call) instead of
+     from its CUDA graphs: the plug-in's top-p call) instead of
      candidates;
 4. the accepted tokens accumulated on the device (read once at the end, as V2 reads its outputs
    asynchronously).

@@ -64,6 +64,8 @@
 #   bash scripts/gpu_session.sh FP  one H200: the conditional graphs' and the device fallback's
 #                                   GPU tests (TESTS=0: none), then the folded call's host cost
 #                                   by part with a cProfile of it
+#   bash scripts/gpu_session.sh TH  one H200: the top-p histogram GPU tests, then the engine loop
+#                                   on top-p traffic
 #   bash scripts/gpu_session.sh EN  one H200: the engine-faithful loop alone (MIXES=...)
 #   bash scripts/gpu_session.sh FM  one H200: the GPU memory the folded device fallback holds
 #   bash scripts/gpu_session.sh FT  one H200: the fallback GPU tests, then the engine loop on
@@ -816,6 +818,23 @@ FT)
     --out "$OUT/engine" >"$OUT/engine_FT.log" 2>&1
   echo "  rc=$?"; grep -E "^top_p .*(hist|vllm )|Error" "$OUT/engine_FT.log" | head -30
   tar -czf "$OUT/FT.tar.gz" -C "$OUT" engine 2>/dev/null
+  rm -rf "$OUT/engine"
+  ;;
+TH)
+  # after a change of how top-p's level histograms read the logits: the GPU tests that run the
+  # histogram plans (replayed and eager, PDL on and off, the top-p kernels and verification,
+  # the folded fallback behind them), then the engine loop on top-p traffic
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "top-p histogram GPU tests"
+  timeout "$(left 330)" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_graphs.py \
+    tests/test_pdl.py tests/test_topp_kernels.py tests/test_topp_verify.py tests/test_fallback.py \
+    -k "top_p_hist or topp or hist" >"$OUT/topp_TH.log" 2>&1
+  echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/topp_TH.log" | tail -8
+  stamp "engine loop, top-p traffic"
+  timeout "$(left 560)" python3 -m benchmarks.engine --steps 100 --mixes top_p \
+    --out "$OUT/engine" >"$OUT/engine_TH.log" 2>&1
+  echo "  rc=$?"; grep -E "^top_p .*(hist|vllm )|Error" "$OUT/engine_TH.log" | head -30
+  tar -czf "$OUT/TH.tar.gz" -C "$OUT" engine 2>/dev/null
   rm -rf "$OUT/engine"
   ;;
 EN)

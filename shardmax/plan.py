@@ -226,8 +226,8 @@ class VocabShard:
 
         Raises:
             ValueError: a plan of another shard, or one that cannot be replayed (the plain
-                path: :meth:`GraphedStep.unsupported`). Strict-mode and level-histogram top-p
-                plans replay on a static copy of the logits; at TP > 1 the graphs are split at
+                path: :meth:`GraphedStep.unsupported`). Strict-mode plans replay on a static copy
+                of the logits; at TP > 1 the graphs are split at
                 the collectives, which run eagerly between the replays.
         """
         if getattr(plan, "ctx", None) is not self.ctx:

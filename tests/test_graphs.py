@@ -7,7 +7,8 @@ tensors -- on greedy, temperature and top-p steps whose logits and batch tensors
 tensors every step; results ``==`` the plan's own ``run`` on the same inputs, bit for bit.
 Fallbacks (a logits address that is not 16-byte aligned, a step inside someone else's capture),
 refusals (the plain path, another shard's plan), the per-signature cache. Plans whose kernels
-read the logits directly (strict mode, level-histogram top-p) replay on a static copy of them.
+read the logits directly (strict mode) replay on a static copy of them; level-histogram top-p
+reads them INDIRECT.
 
 GPU (marked ``gpu``): the real capture and replay, each step == the eager launches bit for bit
 and every replay twice; held outputs never rewritten by later replays; no host sync on
@@ -65,8 +66,8 @@ def _batch(t: TrafficBatch, mix: str, draft_dtype: torch.dtype = torch.int32) ->
 
 def _plan(shard: VocabShard, rows: int, mix: str, mode: str = "fast"):
     """``mix``: greedy / temperature / top_p (candidates), or ``strict`` (temperature rows in
-    strict mode) and ``top_p_hist`` (top-p rows from level histograms): plans whose kernels read
-    the logits directly, replayed on a static copy of them."""
+    strict mode: its kernels read the logits directly, replayed on a static copy of them) and
+    ``top_p_hist`` (top-p rows from level histograms, read INDIRECT)."""
     from shardmax.reference.nucleus_replay import pipeline_for
 
     if mix == "greedy":
@@ -136,6 +137,22 @@ def test_replay_reads_this_steps_logits_not_the_captured_ones() -> None:
     ref = plan.run(planted, batch)
     assert _equal(got, ref)
     assert not _equal(got, plan.run(logits, batch))
+
+
+@pytest.mark.parametrize("mix", ["top_p_hist", "strict"])
+def test_only_strict_plans_replay_on_a_static_copy_of_the_logits(mix: str) -> None:
+    """Level-histogram top-p reads the caller's logits INDIRECT (no copy before each replay,
+    no static buffer); strict mode's block statistics still read a static copy."""
+    steps = _steps(mix, 2053, 2, 3, "cpu")
+    rows = steps[0].logits.shape[0]
+    shard = _shard(2053, torch.bfloat16, "cpu")
+    plan = _plan(shard, rows, mix)
+    step = shard.graphed(plan)
+    for t in steps:
+        step.run(t.logits.clone(), _batch(t, mix))
+    assert step.num_graphs == 1
+    assert graphs.reads_logits_directly(plan) == (mix == "strict")
+    assert (step._static is not None) == (mix == "strict")
 
 
 def test_batch_signature_separates_dtypes_and_shapes() -> None:
@@ -622,6 +639,7 @@ def test_indirect_launches_compile_ahead_of_time_without_spills() -> None:
         ("sampled_record_bf16_b4096", {"INDIRECT": True, "TOPK": False, "NOISE": False}),
         ("sampled_record_fp32_b2048", {"INDIRECT": True}),
         ("sampled_draw_bf16_b4096", {"INDIRECT": True}),
+        ("topp_hist_bf16_b4096", {"INDIRECT": True}),
     ]
     spills = run_compiled(_AOT_SCRIPT, cases)
     assert len(spills) == 2 * len(cases)

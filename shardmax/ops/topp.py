@@ -26,6 +26,7 @@ import triton
 
 from shardmax.reference.nucleus_replay import HIST_LEVELS, Pipeline
 from shardmax.runtime.defaults import TOPP_HIST_TARGET_PROGRAMS, default_record_splits
+from shardmax.runtime.indirect import logits_arg
 from shardmax.runtime.kernels import kernel
 from shardmax.runtime.variants import VariantKey
 
@@ -121,9 +122,11 @@ def _launch_local(
     rows = local_logits.shape[0]
     chunk = triton.cdiv(triton.cdiv(max(num_valid, 1), splits), block) * block
     dest = out if splits == 1 else scratch
+    arg, indirect = logits_arg(local_logits)  # a replayed step: the address from its table
     kernel(VariantKey("topp_hist", dtype=dtype_name, block=block).name)(
-        (rows, splits), local_logits, temperature, dest, counts, local_logits.stride(0),
+        (rows, splits), arg, temperature, dest, counts, local_logits.stride(0),
         num_valid, chunk, vocab_start, tile0, LEVELS=HIST_LEVELS, BLOCK=block, ATOMIC=atomic,
+        INDIRECT=indirect,
     )  # fmt: skip
     if splits > 1:
         kernel(VariantKey("topp_combine", dtype=dtype_name).name)(

@@ -68,9 +68,10 @@ gathering straight into the static buffer the next graph reads (a collective wit
 ``all_gather_dim0_into``: its result copied there; MAX reduces that input in place), so no NCCL
 call is ever captured and every rank runs the same collectives in the same order as the eager
 step. Plans whose
-kernels read the logits directly (strict mode's block statistics, the level histograms of top-p
-steps: :func:`reads_logits_directly`) replay on a static copy of the logits, copied in before
-each replay.
+kernels read the logits directly (strict mode's block statistics: :func:`reads_logits_directly`)
+replay on a static copy of the logits, copied in before each replay; every other logits-reading
+kernel (the greedy keys, the sampled records and draws, top-p's level histograms) takes them
+INDIRECT.
 
 **Epilogues.** A caller may hand a step an :class:`Epilogue`: work the device runs behind the
 step's kernels only when a predicate it computes from the step's outputs says so (the vLLM
@@ -574,9 +575,10 @@ class _FoldedGraph:
 
 def reads_logits_directly(plan: Any) -> bool:
     """Whether ``plan``'s kernels read the logits outside the INDIRECT launches (strict mode's
-    block statistics, level-histogram top-p's histograms): its captured step then copies the
-    caller's logits into a static buffer before each replay (one device copy of the shard)."""
-    return getattr(plan, "strict", None) is not None or getattr(plan, "topp", None) is not None
+    block statistics): its captured step then copies the caller's logits into a static buffer
+    before each replay (one device copy of the shard). Level-histogram top-p's histogram kernel
+    reads them INDIRECT like the record and draw kernels."""
+    return getattr(plan, "strict", None) is not None
 
 
 class _Segments:

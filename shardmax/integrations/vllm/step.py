@@ -321,8 +321,8 @@ def graph_replay(tp: int, device: torch.device) -> bool:
     collectives, in its order, on its bytes, each gathering straight into the next graph's
     buffer (:meth:`~shardmax.runtime.collectives.VllmCoordinator.gather_route`: the route vLLM's
     own gather takes) -- so no NCCL call is captured. The replay is bit-identical to
-    the launches (GPU checks). Plans whose kernels read the logits directly (strict mode,
-    level-histogram top-p) replay on a static copy of the shard.
+    the launches (GPU checks). Plans whose kernels read the logits directly (strict mode)
+    replay on a static copy of the shard.
 
     Raises:
         ValueError: any other value (named, with the accepted ones).
