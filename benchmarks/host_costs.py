@@ -350,8 +350,8 @@ def fold_parts(forward: Any, rows_list: list[int], vocab: int = 200064,
     replayed graph (``benchmarks.engine``'s ``shardmax+fold`` on temperature traffic and
     ``shardmax-hist+fold`` on top-p traffic) by part: the replayed call without the fallback
     and with it, :meth:`DeviceFallback.fold` alone, the epilogue's words, the plain slot graph's
-    replay against the folded slot graph's launch (a conditional graph: GPU busy / idle, the
-    last table's flags: nothing flagged, the body skipped) and a conditional graph with a
+    replay against the folded slot graph's launch (a conditional graph: GPU busy / idle, on
+    the last table's flags -- printed: whether the body runs) and a conditional graph with a
     one-kernel body (what the conditional node costs by itself); the folded graph's nodes (its
     prologue -- the step -- and its body, vLLM's chain) are printed. ``profile``: a cProfile
     of the whole folded call per row count (the 16 costliest functions by own time)."""
@@ -400,6 +400,8 @@ def fold_parts(forward: Any, rows_list: list[int], vocab: int = 200064,
                       file=sys.stderr)  # fmt: skip
                 continue
             folded, slot0 = got.slots[0].graph.graph, got.slots[0]
+            # the launches below replay the table the step wrote last: its flags decide
+            flagged = int(slot0.static[3].sum())
             prologue, body = (_graph_nodes(g) for g in (folded._prologue, folded._body))
             ep = fb.fold(t.logits, **kw, checks=False)
             words = np.zeros(ep.words, dtype=np.int64)
@@ -423,8 +425,9 @@ def fold_parts(forward: Any, rows_list: list[int], vocab: int = 200064,
                      FOLD_PARTS[5]: (launch(slot0), forward.replay),
                      FOLD_PARTS[6]: (launch(slot0), None),
                      FOLD_PARTS[7]: (tiny.launch, forward.replay)}  # fmt: skip
+            body_runs = f"{flagged} requests flagged: the body runs" if flagged else "body skipped"
             print(f"{mix} rows={n}: folded graph {prologue} step nodes + {body} body nodes "
-                  f"(vLLM's chain); calls {step.calls}", flush=True)  # fmt: skip
+                  f"(vLLM's chain); calls {step.calls}; launches: {body_runs}", flush=True)  # fmt: skip
             for part, (call, busy) in calls.items():
                 times = _host_us(call, busy)
                 p50, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]

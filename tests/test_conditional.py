@@ -168,6 +168,30 @@ def _edge_types(graph: int) -> list[int]:
     return [data[8 * i + 2] for i in range(n.value)]
 
 
+def _nodes(graph: int) -> list[int]:
+    drv = conditional._driver()
+    n = ctypes.c_size_t(0)
+    drv("cuGraphGetNodes", ctypes.c_void_p(graph), None, ctypes.byref(n))
+    nodes = (ctypes.c_void_p * n.value)()
+    drv("cuGraphGetNodes", ctypes.c_void_p(graph), nodes, ctypes.byref(n))
+    return [int(x or 0) for x in nodes]
+
+
+def _child_graphs(g: IfGraph) -> tuple[int, int]:
+    """``(prologue, body)``: the graphs an :class:`IfGraph`'s own graph runs -- its child-graph
+    node's clone of the prologue, and the clone held by the child-graph node inside its IF
+    node's body graph."""
+    drv = conditional._driver()
+    prologue_node, body_graph = g._nodes
+    (inner,) = _nodes(body_graph)
+    out = []
+    for node in (prologue_node, inner):
+        graph = ctypes.c_void_p()
+        drv("cuGraphChildGraphNodeGetGraph", ctypes.c_void_p(node), ctypes.byref(graph))
+        out.append(int(graph.value or 0))
+    return out[0], out[1]
+
+
 @pytest.mark.gpu
 def test_gpu_if_graph_prologue_keeps_pdl_and_the_body_drops_it() -> None:
     """With programmatic dependent launch on, the prologue's kernels keep their programmatic
@@ -202,7 +226,12 @@ def test_gpu_if_graph_prologue_keeps_pdl_and_the_body_drops_it() -> None:
         g = IfGraph(prologue, body, dev)
     finally:
         kernels.set_pdl(before)
-    assert 1 in _edge_types(g._prologue.raw_cuda_graph())
+    # the clones that run: the IF graph's child-graph node (the prologue) and the graph inside
+    # its conditional node's body (a child-graph node holding the body's clone)
+    prologue, body = _child_graphs(g)
+    assert 1 in _edge_types(prologue)
+    assert 1 not in _edge_types(body)
+    assert 1 in _edge_types(g._prologue.raw_cuda_graph())  # as torch captured them
     assert 1 not in _edge_types(g._body.raw_cuda_graph())
     for _ in range(2):
         hits.zero_()

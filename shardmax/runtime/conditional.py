@@ -369,6 +369,9 @@ class IfGraph:
                     ctypes.byref(params),
                 )  # fmt: skip
                 body_graph = ctypes.c_void_p(params.conditional.phGraph_out[0])
+                # the nodes that run the two pieces' clones (owned by self._graph; tests read
+                # their edges): the prologue's child-graph node, the IF node's body graph
+                self._nodes = (first.value, body_graph.value)
                 child = ctypes.c_void_p()
                 drv(
                     "cuGraphAddChildGraphNode", ctypes.byref(child), body_graph, None,

@@ -289,7 +289,7 @@ class _Captured:
         self.outputs: list[torch.Tensor] = []
         self.slots: list[_Slot] = []
         self._next = 0  # the slot after the one handed out last: tried first
-        # plans whose kernels read the logits directly (level-histogram top-p, strict mode) run
+        # plans whose kernels read the logits directly (strict mode) run
         # on a static copy of them (the caller's logits copied in before each replay), one per
         # plan (GraphedStep.static_logits), shared by its batch signatures
         self.static_logits = static_logits

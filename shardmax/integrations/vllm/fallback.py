@@ -22,9 +22,10 @@ So every request ends with vLLM's answer -- shardmax's where nothing was flagged
 construction, the parity tests' claim), vLLM's own where something was -- and a step's host work
 is writing ~30 int64 into a page-locked table the GPU reads in place and one graph launch,
 whatever the flags say: no copy call. Measured (H100, stage FP at 81b043f,
-``benchmarks/results/sm90/host_costs_fallback``), that second call after the replayed step still costs 95-190 us of host time (checks, signature
-and table in Python, then 22-42 us for the conditional graph's launch with the GPU busy) and
-20-24 us of GPU time: its step gets 1-7 % fewer tokens/s than vLLM's chain at T = 1
+``benchmarks/results/sm90/host_costs_fallback``), that second call after the replayed step cost
+95-190 us of host time (checks, signature and table in Python, then 22-42 us for the
+conditional graph's launch with the GPU busy, before 08bdc8a bound the launch: ~7.5 us since)
+and 20-24 us of GPU time: its step got 1-7 % fewer tokens/s than vLLM's chain at T = 1
 (though more than the host-read path at most row counts).
 
 **Folded into the replayed step** (:meth:`DeviceFallback.fold`): the same prologue and body as
