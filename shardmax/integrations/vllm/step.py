@@ -510,7 +510,13 @@ def sampled_routing(tp: int) -> bool:
     engine loop on one H200 (``benchmarks/results/sm90/ENGINE.md``, V = 200064, T = 1, 4-512
     rows) the plug-in's sampled call -- with its one host read of the flags, a sync -- gave
     6.9-8.4 % fewer tokens/s than vLLM's own chain (10-14 %, 7-19 %, 13-22 %, 8-22 % and 10-15 %
-    in earlier runs); greedy steps stay sharded at every TP (faster there).
+    in earlier runs); greedy steps stay sharded at every TP (faster there). With the device
+    fallback folded into the replayed step (no host read; H100 runs of 2026-12-05,
+    ``benchmarks/results/sm90/engine_fold_launch`` and ``engine_final_912c829``) the TP-1 call
+    is level with vLLM's chain at T = 1 (-1.4 to +1.0 % in two runs, +0.6 to +9.8 % in a third
+    on a slow host), ahead on top-p steps that flag nothing (+15 to +56 % at 4 / 32 / 256 rows)
+    and behind where a request is flagged on every step (-18 to -24 % at 96 / 512 rows): no
+    clear gain at TP 1, so ``auto`` still leaves those steps to vLLM.
 
     Raises:
         ValueError: any other value (named, with the accepted ones).
