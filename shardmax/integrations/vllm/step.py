@@ -514,8 +514,8 @@ def sampled_routing(tp: int) -> bool:
     fallback folded into the replayed step (no host read; H100 runs of 2026-12-05,
     ``benchmarks/results/sm90/engine_fold_launch`` and ``engine_final_912c829``) the TP-1 call
     is level with vLLM's chain at T = 1 (-1.4 to +1.0 % in two runs, +0.6 to +9.8 % in a third
-    on a slow host), ahead on top-p steps that flag nothing (+15 to +56 % at 4 / 32 / 256 rows)
-    and behind where a request is flagged on every step (-18 to -24 % at 96 / 512 rows): no
+    on a slow host), ahead on top-p steps that flag nothing (+15 to +94 % at 4 / 32 / 256 rows)
+    and behind where a request is flagged on every step (-13 to -24 % at 96 / 512 rows): no
     clear gain at TP 1, so ``auto`` still leaves those steps to vLLM.
 
     Raises:
