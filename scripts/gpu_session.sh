@@ -161,6 +161,18 @@ host_and_engine() {
   echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) .*shardmax  |Error" "$OUT/engine_$1.log"
 }
 
+# engine_loop STAGE DEADLINE MIXES: the engine-faithful loop on MIXES into $OUT/STAGE.tar.gz
+# (its log $OUT/engine_STAGE.log)
+engine_loop() {
+  stamp "engine loop ($3)"
+  timeout "$(left "$2")" python3 -m benchmarks.engine --steps 100 --mixes "$3" \
+    --out "$OUT/engine" >"$OUT/engine_$1.log" 2>&1
+  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) .*(shardmax|vllm )|Error" \
+    "$OUT/engine_$1.log" | head -60
+  tar -czf "$OUT/$1.tar.gz" -C "$OUT" engine 2>/dev/null
+  rm -rf "$OUT/engine"
+}
+
 # sampled_tuned_step STAGE DEADLINE: one rank's sampled step with the tuned tables (no sweeps;
 # PDL on and off where supported) into $OUT/STAGE.tar.gz
 sampled_tuned_step() {
@@ -813,12 +825,7 @@ FT)
   timeout "$(left 200)" python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_fallback.py \
     >"$OUT/fallback_FT.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E |\[folded" "$OUT/fallback_FT.log" | tail -14
-  stamp "engine loop, top-p traffic"
-  timeout "$(left 540)" python3 -m benchmarks.engine --steps 100 --mixes top_p \
-    --out "$OUT/engine" >"$OUT/engine_FT.log" 2>&1
-  echo "  rc=$?"; grep -E "^top_p .*(hist|vllm )|Error" "$OUT/engine_FT.log" | head -30
-  tar -czf "$OUT/FT.tar.gz" -C "$OUT" engine 2>/dev/null
-  rm -rf "$OUT/engine"
+  engine_loop FT 540 top_p
   ;;
 TH)
   # after a change of how top-p's level histograms read the logits: the GPU tests that run the
@@ -830,23 +837,13 @@ TH)
     tests/test_pdl.py tests/test_topp_kernels.py tests/test_topp_verify.py tests/test_fallback.py \
     -k "top_p_hist or topp or hist" >"$OUT/topp_TH.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/topp_TH.log" | tail -8
-  stamp "engine loop, top-p traffic"
-  timeout "$(left 560)" python3 -m benchmarks.engine --steps 100 --mixes top_p \
-    --out "$OUT/engine" >"$OUT/engine_TH.log" 2>&1
-  echo "  rc=$?"; grep -E "^top_p .*(hist|vllm )|Error" "$OUT/engine_TH.log" | head -30
-  tar -czf "$OUT/TH.tar.gz" -C "$OUT" engine 2>/dev/null
-  rm -rf "$OUT/engine"
+  engine_loop TH 560 top_p
   ;;
 EN)
   # the engine-faithful loop alone (MIXES: its traffic mixes, default every one), into
   # $OUT/EN.tar.gz
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
-  stamp "engine loop (${MIXES:-greedy,temperature,top_p})"
-  timeout "$(left 570)" python3 -m benchmarks.engine --steps 100 \
-    --mixes "${MIXES:-greedy,temperature,top_p}" --out "$OUT/engine" >"$OUT/engine_EN.log" 2>&1
-  echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) |Error" "$OUT/engine_EN.log" | head -60
-  tar -czf "$OUT/EN.tar.gz" -C "$OUT" engine 2>/dev/null
-  rm -rf "$OUT/engine"
+  engine_loop EN 570 "${MIXES:-greedy,temperature,top_p}"
   ;;
 FM)
   # the GPU memory the folded device fallback holds (benchmarks.fallback_memory), after the
