@@ -626,3 +626,46 @@ def test_plugin_uses_device_fallback_on_which_steps() -> None:
     for tp in (2, 4, 8):
         assert not step.uses_device_fallback(tp, nucleus=False, histogram=False, rows=4)
         assert not step.uses_device_fallback(tp, nucleus=True, histogram=True, rows=4)
+
+
+def test_fold_signature_follows_the_requests_sampling_values_in_place() -> None:
+    """The signature's gates are memoised on the bytes of the requests' slots and sampling
+    values, read every step: vLLM rewrites its per-slot host arrays in place between steps, so
+    a request whose temperature or top-p changed must get the gates computed from the new
+    values (the memo's answer == NativeChain._gates' without the memo), and a top-p step's
+    gates are those of its own row count."""
+    from types import SimpleNamespace
+
+    from shardmax.integrations.vllm.chain import NativeChain
+
+    def fresh_gates(kw: dict, reqs: int, rows: int):
+        slots = np.asarray(kw["idx_mapping_np"])[:reqs]
+        state = NativeChain._State(
+            kw["temperature_gpu"], kw["temperature_np"], kw.get("top_k_gpu"), kw.get("top_k_np"),
+            kw.get("top_p_gpu"), kw.get("top_p_np"), kw.get("min_p_gpu"), kw.get("min_p_np"),
+        )  # fmt: skip
+        return NativeChain._gates(slots, state, V, rows)
+
+    V = 4096
+    fb = DeviceFallback(SimpleNamespace(max_chunk_rows=None), emulate=True)
+    for mix in ("temperature", "top_p"):
+        b = realistic_batch(6, 3, V, seed=5, mix=mix)
+        kw = verify_inputs(b)
+        reqs, rows = int(b.idx_mapping.shape[0]), int(b.logits.shape[0])
+        tensors = fb._tensors(b.logits, kw)
+        first = fb._key(b.logits, tensors, kw, reqs)
+        assert first is not None
+        slot = int(kw["idx_mapping_np"][2])
+        changes = [("temperature_np", 1.0), ("temperature_np", 0.5)]
+        if mix == "top_p":
+            changes += [("top_p_np", 1.0), ("top_p_np", 0.9)]
+        for name, value in changes:
+            kw[name][slot] = value  # in place, as vLLM's SamplingStates does
+            key = fb._key(b.logits, fb._tensors(b.logits, kw), kw, reqs)
+            assert key is not None
+            gates = key[8]  # computed for the bucket's rows, key[1]
+            assert gates == fresh_gates(kw, reqs, key[1]), (mix, name, value)
+            if gates.do_p:
+                assert key[:2] == (reqs, rows)  # top-p: the step's exact size
+            else:
+                assert key[:2] == (_pow2(reqs), _pow2(reqs) * 4)
