@@ -115,6 +115,7 @@ from shardmax.integrations.vllm.resolution import (
     _WORKSPACES,
     APPLY_WORDS,
     _check_result,
+    _state,
 )
 from shardmax.ops.sampled import VerifyResult
 from shardmax.runtime import kernels
@@ -566,11 +567,11 @@ class DeviceFallback:
         limit = self.chain.max_chunk_rows or max_chunk_logits(vocab)
         reqs = _pow2(num_reqs)
         rows = min(reqs * (k + 1), limit)
-        values = self._values(step, num_reqs, vocab)
-        gates = self._gates(values, step, rows)
+        slots, values = self._values(step, num_reqs, vocab)
+        gates = self._gates(slots, values, step, rows)
         if gates.do_p:  # vLLM's top-p pipeline depends on the rows: the step's exact size
             reqs, rows = num_reqs, num_logits
-            gates = self._gates(values, step, rows)
+            gates = self._gates(slots, values, step, rows)
         if num_logits + reqs - num_reqs > rows or rows > limit:
             return None
         return (reqs, rows, k, vocab, logits.dtype, max(row, vocab),  # width
@@ -578,32 +579,33 @@ class DeviceFallback:
                 bool(step.get("use_fp64_gumbel", False)))  # fmt: skip
 
     @staticmethod
-    def _values(step: dict[str, Any], num_reqs: int, vocab: int) -> tuple[Any, ...]:
-        """What :meth:`NativeChain._gates` reads besides the rows: the vocabulary, the
-        requests' slots and their sampling values (bytes: the gates' memo key)."""
+    def _values(
+        step: dict[str, Any], num_reqs: int, vocab: int
+    ) -> tuple[np.ndarray, tuple[Any, ...]]:
+        """The requests' slots, and what :meth:`NativeChain._gates` reads besides the rows --
+        the vocabulary, the slots and their sampling values (as bytes: the gates' memo key)."""
         slots = np.asarray(step["idx_mapping_np"])[:num_reqs]
         t = step["temperature_np"]
         k, p, m = step.get("top_k_np"), step.get("top_p_np"), step.get("min_p_np")
-        return (vocab, slots, slots.tobytes(), t[slots].tobytes(),
-                None if k is None else k[slots].tobytes(),
-                None if p is None else p[slots].tobytes(),
-                None if m is None else m[slots].tobytes())  # fmt: skip
+        return slots, (vocab, slots.tobytes(), t[slots].tobytes(),
+                       None if k is None else k[slots].tobytes(),
+                       None if p is None else p[slots].tobytes(),
+                       None if m is None else m[slots].tobytes())  # fmt: skip
 
-    def _gates(self, values: tuple[Any, ...], step: dict[str, Any], rows: int) -> Any:
+    def _gates(
+        self, slots: np.ndarray, values: tuple[Any, ...], step: dict[str, Any], rows: int
+    ) -> Any:
         """:meth:`NativeChain._gates` of a chunk of ``rows`` rows holding the step's requests
-        (``values``: :meth:`_values`), memoised on what it reads: ~2 us of host time instead
-        of ~10."""
-        memo_key = (rows, values[0], *values[2:])
+        (``slots``, ``values``: :meth:`_values`), memoised on what it reads: ~2 us of host time
+        instead of ~10."""
+        memo_key = (rows, values)
         got = self._gates_memo.get(memo_key)
         if got is None:
             if len(self._gates_memo) >= 256:
                 self._gates_memo.clear()
-            state = NativeChain._State(
-                step["temperature_gpu"], step["temperature_np"], step.get("top_k_gpu"),
-                step.get("top_k_np"), step.get("top_p_gpu"), step.get("top_p_np"),
-                step.get("min_p_gpu"), step.get("min_p_np"),
-            )  # fmt: skip
-            got = self._gates_memo[memo_key] = NativeChain._gates(values[1], state, values[0], rows)
+            got = self._gates_memo[memo_key] = NativeChain._gates(
+                slots, _state(step), values[0], rows
+            )
         return got
 
     def _bucket(
