@@ -123,12 +123,14 @@ def graph_variants() -> Iterator[VariantKey]:
     between the addresses of the step's argument table; the fetch of an output slot's table
     from host memory; the padded sub-batch of a per-request
     resolution replayed from one (``CapturedResolution``), per logits dtype, and the write of its
-    answers into the step's outputs."""
+    answers into the step's outputs; a folded fallback's flagged requests picked on the device
+    (``resolve_select``)."""
     yield VariantKey("table_copy")
     yield VariantKey("table_fetch")
     for dtype in DTYPES:
         yield VariantKey("resolve_fill", dtype=dtype)
     yield VariantKey("resolve_apply")
+    yield VariantKey("resolve_select")
 
 
 def all_variants() -> list[VariantKey]:
@@ -157,6 +159,7 @@ TEMPLATE_OF_FAMILY = {
     "table_fetch": "table_fetch.py.j2",
     "resolve_fill": "resolve_fill.py.j2",
     "resolve_apply": "resolve_apply.py.j2",
+    "resolve_select": "resolve_select.py.j2",
     "topp_hist": "topp_hist.py.j2",
     "topp_combine": "topp_combine.py.j2",
     "topp_replay": "topp_replay.py.j2",
@@ -192,6 +195,7 @@ def template_context(key: VariantKey) -> dict[str, object]:
         "table_copy",
         "table_fetch",
         "resolve_apply",
+        "resolve_select",
     ):
         ctx.update(
             transport=key.transport,

@@ -67,6 +67,9 @@
 #   bash scripts/gpu_session.sh TH  one H200: the top-p histogram GPU tests, then the engine loop
 #                                   on top-p traffic
 #   bash scripts/gpu_session.sh EN  one H200: the engine-faithful loop alone (MIXES=...)
+#   bash scripts/gpu_session.sh CR  one H200: the compact resolution of a flagged step's body
+#                                   (nested conditional graphs, resolve_select, the fallback's
+#                                   GPU tests); then stage EN with MIXES=top_p
 #   bash scripts/gpu_session.sh FM  one H200: the GPU memory the folded device fallback holds
 #   bash scripts/gpu_session.sh FT  one H200: the fallback GPU tests, then the engine loop on
 #                                   top-p traffic (the folded fallback behind histogram top-p)
@@ -838,6 +841,20 @@ TH)
     -k "top_p_hist or topp or hist" >"$OUT/topp_TH.log" 2>&1
   echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E " "$OUT/topp_TH.log" | tail -8
   engine_loop TH 560 top_p
+  ;;
+CR)
+  # after a change of the fallback's body (its compact resolution: nested IF nodes, the flagged
+  # requests picked on the device): the conditional graphs' and the fallback's GPU tests
+  # (TESTS=0 skips them), then the engine loop (MIXES, default top_p: the flagged batches)
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  if [ "${TESTS:-1}" != 0 ]; then
+    stamp "conditional graph + device fallback GPU tests"
+    timeout "$(left 330)" python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+      tests/test_conditional.py tests/test_fallback.py >"$OUT/fallback_CR.log" 2>&1
+    echo "  rc=$?"; grep -E "passed|failed|^FAILED|^E |\[compact|\[folded|\[device" \
+      "$OUT/fallback_CR.log" | tail -24
+  fi
+  [ "${ENGINE:-1}" = 0 ] || engine_loop CR 570 "${MIXES:-top_p}"
   ;;
 EN)
   # the engine-faithful loop alone (MIXES: its traffic mixes, default every one), into

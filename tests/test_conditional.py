@@ -6,7 +6,8 @@ the set-conditional kernel assembled by ``ptxas`` where a CUDA toolkit is instal
 body skipped / taken on the predicate a kernel of the prologue computes, Triton kernels and
 torch ops with allocations in both pieces, many launches without a host sync, twice with the
 same bits; array predicates (any flag set, at the warp's lane edges and past its first pass)
-and the predicates refused.
+and the predicates refused; bodies that decide again (:class:`Branch`: nested IF nodes, three
+levels, every combination of the predicates) -- on the CPU through :func:`run_eagerly`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import pytest
 import torch
 
 from shardmax.runtime import conditional
-from shardmax.runtime.conditional import SET_CONDITIONAL_PTX, IfGraph, unavailable
+from shardmax.runtime.conditional import (
+    SET_CONDITIONAL_PTX,
+    Branch,
+    IfGraph,
+    Later,
+    run_eagerly,
+    unavailable,
+)
 
 
 def test_driver_structures_match_cuda_h() -> None:
@@ -37,6 +45,42 @@ def test_refuses_off_cuda() -> None:
     assert why is not None and "CUDA device" in why
     with pytest.raises(RuntimeError, match="CUDA device"):
         IfGraph(lambda: torch.ones((), dtype=torch.bool), lambda: None, torch.device("cpu"))
+
+
+def _nested(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Branch]:
+    """Three levels: ``flags[0]`` decides the outer body (the caller's prologue), whose first
+    piece adds 1 to ``hits[0]`` and returns ``flags[1]``; its ``then`` adds 1 to ``hits[1]``
+    and returns ``flags[2]`` for the innermost, which adds 1 to ``hits[2]``."""
+    flags = torch.zeros(3, dtype=torch.bool, device=device)
+    hits = torch.zeros(3, dtype=torch.int32, device=device)
+
+    def level(i: int) -> torch.Tensor:
+        hits[i : i + 1].add_(1)
+        return flags[i + 1 : i + 2].clone()  # a kernel writes the next predicate
+
+    inner = Branch(lambda: level(1), lambda: hits[2:].add_(1))
+    return flags, hits, Branch(lambda: level(0), inner)
+
+
+_EVERY = [(a, b, c) for a in (0, 1) for b in (0, 1) for c in (0, 1)]
+"""Every combination of the three predicates."""
+
+
+def _expected(a: int, b: int, c: int) -> list[int]:
+    return [a, a & b, a & b & c]
+
+
+def test_run_eagerly_follows_every_branch() -> None:
+    """Off CUDA a body with branches runs as the graph would: each predicate read on the host,
+    the pieces behind a clear one skipped (a :class:`Later` resolved first)."""
+    flags, hits, body = _nested(torch.device("cpu"))
+    for a, b, c in _EVERY:
+        flags.copy_(torch.tensor([a, b, c], dtype=torch.bool))
+        hits.zero_()
+        if a:
+            run_eagerly(Later(lambda: body))
+        assert hits.tolist() == _expected(a, b, c), (a, b, c)
+    assert run_eagerly(lambda: 7) == 7
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="no CUDA toolkit (ptxas) here")
@@ -108,6 +152,40 @@ def test_gpu_if_graph_runs_the_body_only_when_the_predicate_is_set() -> None:
         if i % 3 == 0:
             expect = expect * 2 + 1
     assert x[0].item() == expect
+
+
+@pytest.mark.gpu
+def test_gpu_if_graph_nested_branches() -> None:
+    """A body that decides again (:class:`Branch`, three levels: nested IF nodes, each handle
+    set by its own piece): every combination of the predicates runs exactly the pieces
+    behind set ones, twice (the same counts), in launches without a host sync; a
+    :class:`Later` body resolved after the prologue's capture builds the same graph."""
+    dev = _cuda()
+    for later in (False, True):
+        flags, hits, body = _nested(dev)
+        g = IfGraph(
+            lambda flags=flags: flags[:1].clone(),
+            Later(lambda body=body: body) if later else body,
+            dev,
+        )
+        pred, (first, (second, _)) = g.outputs
+        assert pred.dtype == first.dtype == second.dtype == torch.bool
+        for trial in range(2):
+            for a, b, c in _EVERY:
+                flags.copy_(torch.tensor([a, b, c], dtype=torch.bool))
+                hits.zero_()
+                g.launch()
+                torch.cuda.synchronize()
+                assert hits.tolist() == _expected(a, b, c), (later, trial, a, b, c)
+        # many launches in stream order, no host sync in between
+        hits.zero_()
+        want = [0, 0, 0]
+        for a, b, c in _EVERY * 4:
+            flags.copy_(torch.tensor([a, b, c], dtype=torch.bool), non_blocking=True)
+            g.launch()
+            want = [w + e for w, e in zip(want, _expected(a, b, c), strict=True)]
+        torch.cuda.synchronize()
+        assert hits.tolist() == want, (later, want)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,7 @@
 """The device-decided fallback (:class:`shardmax.integrations.vllm.fallback.DeviceFallback`):
-vLLM's chain on the whole step, run by the device only when a request of the step is flagged.
+vLLM's chain on the step's flagged requests (a padded sub-batch of them, picked on the device)
+or on the whole step when more are flagged than that holds, run by the device only when a
+request of the step is flagged.
 
 The steps here are vLLM's own answers with planted damage: flagged requests get wrong tokens and
 counts (the fallback must replace them by vLLM's), an unflagged request on a step with nothing
@@ -228,6 +230,65 @@ def test_device_fallback_buckets(chain: NativeChain) -> None:
         if step:
             _same(res, want, "logits rows 448 wide")
     assert fb.stats["signatures"] == 3, fb.stats
+
+
+@pytest.mark.e2e
+@by_version
+def test_device_fallback_compact(chain: NativeChain) -> None:
+    """A flagged step's body resolves up to ``capacity`` flagged requests on a padded sub-batch
+    (picked on the device: ``resolve_select``) and runs vLLM's chain on the whole step only
+    when more are flagged: flagged requests == vLLM's chain on the step; a damaged request that
+    is not flagged keeps its damage unless the whole step ran (which rewrites every request);
+    the whole step's static logits untouched unless it ran. Steps of 5 to 8 requests with
+    fewer drafts for some share the bucket, in new tensors each; the default capacity of a
+    bucket; a capacity of 0 (always the whole step)."""
+    from shardmax.integrations.vllm.fallback import MAX_CAPACITY, default_capacity
+
+    assert [default_capacity(r) for r in (1, 2, 8, 16, 17, 32, 33, 64, 128, 1024)] == [
+        0, 1, 1, 1, 2, 2, 4, 4, 8, MAX_CAPACITY,
+    ]  # fmt: skip
+    b, kw = _step(13, 10, 384, "cpu")
+    shapes = [
+        [(r, 4) for r in range(8)],  # the capture step: a full bucket
+        [(0, 4), (3, 1), (5, 2), (7, 4), (9, 3)],
+        [(2, 2), (1, 4), (4, 1), (6, 3), (8, 4), (9, 1), (0, 2)],
+        [(r, 4) for r in range(8)],
+    ]
+    cases = [  # (shape, flagged, damaged but not flagged)
+        (0, [1], [2]),
+        (1, [3], [0]),  # fewer than the capacity: one request of 4 rows, one of 3
+        (1, [1, 2], [4]),  # exactly the capacity: requests of one and two rows
+        (2, [0, 6], [3]),
+        (2, [0, 3, 6], [5]),  # more: the whole step too
+        (3, [7], [0]),
+        (3, [], [1]),  # nothing flagged: the body does not run
+        (3, list(range(8)), []),
+    ]
+    for capacity in (2, 0):
+        fb = DeviceFallback(chain, emulate=True, capacity=capacity)
+        for i, (shape, flagged, damaged) in enumerate(cases):
+            logits, sub = _sub_step(b.logits, kw, shapes[shape])
+            want = chain.verify(logits, **sub)
+            res = _result(want, flagged, flagged + damaged)
+            bucket = next(iter(fb._buckets.values()), None)
+            if bucket is not None:  # (the capture step's warm-up runs every piece once)
+                bucket.logits.fill_(-3.0)  # a sentinel only the whole step's copy overwrites
+            assert fb.run(res, logits, **sub) == (i > 0), (capacity, i, fb.stats)
+            if i == 0:
+                continue
+            whole = bool(flagged) and (capacity == 0 or len(flagged) > capacity)
+            if bucket is not None:
+                untouched = bool((bucket.logits == -3.0).all())
+                assert untouched == (not whole), (capacity, i, flagged)
+            bucket = next(iter(fb._buckets.values()))
+            assert (bucket.compact is not None) == (capacity > 0)
+            for r in range(len(shapes[shape])):
+                if r in damaged and not whole:
+                    assert int(res.num_sampled[r]) == 1 and int(res.sampled[r, 0]) == 7, (i, r)
+                    continue
+                one = VerifyResult(*(t[r : r + 1] for t in res[:5]))
+                _same(one, [t[r : r + 1] for t in want[:3]], f"{capacity} {i} request {r}")
+        assert fb.stats["signatures"] == 1, fb.stats
 
 
 def _folded_run(shard, fb: DeviceFallback, logits: torch.Tensor, t, kw: dict, topp=None):
@@ -486,6 +547,54 @@ def test_gpu_device_fallback(num_reqs: int) -> None:
         print(f"[device fallback] vLLM {chain.version} {num_reqs} requests: {fb.stats}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", ["temperature", "top_p"])
+@pytest.mark.parametrize("num_reqs", [8, 24])
+def test_gpu_device_fallback_compact(num_reqs: int, mix: str) -> None:
+    """On the GPU: a flagged step's body at capacity 2 -- one or two flagged requests resolved
+    on the padded sub-batch alone (the whole step's static logits untouched, a damaged request
+    that is not flagged left as it is), three flagged: the whole step too. T = 1 and
+    top_p = 0.95 traffic at 32 rows (vLLM's split top-p pipeline: the capacity is used only
+    where its rows get the step's split count) and 96 rows (the monolithic kernel). Each step
+    twice (bits compared), == vLLM's chain, no host sync."""
+    _needs_gpu_and_chains()
+    from shardmax.testing.syncs import host_syncs
+
+    t = realistic_batch(num_reqs, 3, 200064, seed=num_reqs + 1, mix=mix, device="cuda")
+    kw = verify_inputs(t)
+    for chain in CHAINS:
+        want = chain.verify(t.logits, **kw)
+        fb = DeviceFallback(chain, capacity=2)
+        assert not fb.run(_result(want, [0], [0]), t.logits, **kw)  # first: host read
+        assert fb.run(_result(want, [0], [0]), t.logits, **kw)  # second: captured
+        torch.cuda.synchronize()
+        bucket = next(iter(fb._buckets.values()))
+        compact = bucket.compact is not None
+        assert compact or mix == "top_p", "a temperature step always fits the capacity"
+        for flagged, damaged in (([3], [1]), ([0, num_reqs - 1], [2]), ([1, 4, 6], [5])):
+            whole = not compact or len(flagged) > 2
+            outs = []
+            for _ in range(2):
+                bucket.logits.fill_(-3.0)  # only the whole step's copy overwrites it
+                res = _result(want, flagged, flagged + damaged)
+                syncs = host_syncs(
+                    lambda res=res, fb=fb: fb.run(res, t.logits, **{**kw, "checks": False})
+                )
+                assert syncs == "none", syncs
+                torch.cuda.synchronize()
+                assert bool((bucket.logits == -3.0).all()) == (not whole), (flagged, compact)
+                for r in range(num_reqs):
+                    one = VerifyResult(*(x[r : r + 1] for x in res[:5]))
+                    if r in damaged and not whole:
+                        assert int(one.num_sampled[0]) == 1 and int(one.sampled[0, 0]) == 7
+                    else:
+                        _same(one, [x[r : r + 1] for x in want[:3]], f"{mix} {flagged} {r}")
+                outs.append([x.clone() for x in res[:3]])
+            assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True)), flagged
+        print(f"[compact] vLLM {chain.version} {mix} {num_reqs} requests: capacity "
+              f"{'2' if compact else 'none (another split count)'}, {fb.stats}")  # fmt: skip
+
+
 def _gpu_folded_steps(chain, t, kw: dict, poisons: list[list[int]], topp=None, sentinel=True):
     """The GPU checks of the folded fallback on steps of ``t`` (a fresh fallback and shard):
     per step the requests in ``poisons[step]`` get a NaN in their first row; each step runs
@@ -531,7 +640,8 @@ def _gpu_folded_steps(chain, t, kw: dict, poisons: list[list[int]], topp=None, s
             outs.append([x.clone() for x in res[:3]])
         if len(outs) == 2:
             assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True)), poison
-    return fb.stats
+    capacities = [0 if b.compact is None else b.compact.sub.reqs for b in fb._buckets.values()]
+    return {**fb.stats, "capacities": capacities}
 
 
 @pytest.mark.gpu

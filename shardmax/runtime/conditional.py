@@ -19,6 +19,12 @@ no conditional-node API of its own)::
 
     child graph (prologue) -> IF node { child graph (body) }
 
+A body may decide again (:class:`Branch`: its first piece computes a second predicate, its
+rare case runs behind it), which nests the same two nodes inside the IF node's body graph
+(conditional bodies may hold conditionals: CUDA 12.4's rules)::
+
+    child graph (prologue) -> IF node { child graph (first) -> IF node { child graph (then) } }
+
 and instantiates it. :meth:`IfGraph.launch` is one ``cuGraphLaunch`` on the current stream: no
 host sync, whatever the predicate. ``shardmax_set_conditional`` is a one-warp kernel
 written in PTX (:data:`SET_CONDITIONAL_PTX`; Triton cannot call the device runtime), JIT-compiled
@@ -44,7 +50,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SET_CONDITIONAL_PTX", "IfGraph", "unavailable"]
+__all__ = ["SET_CONDITIONAL_PTX", "Branch", "IfGraph", "Later", "run_eagerly", "unavailable"]
 
 SET_CONDITIONAL_PTX = b"""
 .version 8.3
@@ -256,6 +262,62 @@ def _self_check(device: torch.device) -> bool:
     return got
 
 
+def _check_predicate(pred: Any, device: torch.device) -> None:
+    """A prologue's predicate is a contiguous bool / uint8 tensor on ``device`` of one dimension
+    at most and 1 to 2**31 - 1 elements (what ``shardmax_set_conditional`` reads)."""
+    if (
+        not isinstance(pred, torch.Tensor)
+        or not 1 <= pred.numel() < 2**31
+        or pred.dim() > 1
+        or not pred.is_contiguous()
+        or pred.device != device
+        or pred.dtype not in (torch.bool, torch.uint8)
+    ):
+        raise ValueError(
+            "prologue: expected a contiguous bool / uint8 tensor of one dimension at most and "
+            f"at least one element on {device}, got "
+            f"{getattr(pred, 'dtype', type(pred).__name__)} {list(getattr(pred, 'shape', []))} "
+            f"on {getattr(pred, 'device', '-')}"
+        )
+
+
+class Branch:
+    """A body that decides again on the device: ``first`` runs (captured like a prologue: it
+    launches its work and returns a predicate, a bool / uint8 tensor), then ``then`` -- a
+    callable body or another :class:`Branch` -- runs only where that predicate is set. Inside an
+    :class:`IfGraph` it is a nested IF node: a body whose common case is cheap can keep its
+    rare, expensive case out of the common path without a host read."""
+
+    __slots__ = ("first", "then")
+
+    def __init__(self, first: Callable[[], torch.Tensor], then: Callable[[], Any] | Branch):
+        self.first, self.then = first, then
+
+
+class Later:
+    """A body known only once the prologue has been captured (``get()`` then returns the callable
+    or :class:`Branch`): a prologue that builds what its body reads -- a folded step's epilogue,
+    :class:`shardmax.runtime.graphs.Epilogue` -- names the body there."""
+
+    __slots__ = ("get",)
+
+    def __init__(self, get: Callable[[], Any]) -> None:
+        self.get = get
+
+
+def run_eagerly(body: Any) -> Any:
+    """Run a body as an :class:`IfGraph` would, each :class:`Branch`'s predicate read on the host
+    (a sync: off-CUDA emulation and tests only). Returns what the last piece run returned (None
+    where a branch's predicate was clear)."""
+    if isinstance(body, Later):
+        body = body.get()
+    if isinstance(body, Branch):
+        if bool(body.first().any()):
+            return run_eagerly(body.then)
+        return None
+    return body()
+
+
 class IfGraph:
     """``prologue`` then, when the predicate it returns is nonzero, ``body``: one CUDA graph
     (module docstring) launched without a host sync.
@@ -266,7 +328,10 @@ class IfGraph:
             and at least one element (a flag, or an array of flags: the body runs when any
             of them is nonzero; ``shardmax_set_conditional`` reads them all, one warp).
         body: called once, under another capture; launches the work of the body. Its outputs
-            and the predicate are kept alive with this object.
+            and the predicate are kept alive with this object. A :class:`Branch` nests: its
+            ``first`` is captured as a prologue inside the body, its ``then`` as the body of an
+            IF node there (and so on); a :class:`Later` is resolved once the prologue is
+            captured.
         device: the CUDA device.
         pool: a ``torch.cuda.graph_pool_handle()`` the captures allocate from (default: a new
             one).
@@ -289,7 +354,7 @@ class IfGraph:
     def __init__(
         self,
         prologue: Callable[[], torch.Tensor],
-        body: Callable[[], Any],
+        body: Callable[[], Any] | Branch | Later,
         device: torch.device,
         pool: Any = None,
         checked: bool = False,
@@ -311,78 +376,91 @@ class IfGraph:
             with torch.cuda.device(device):
                 ctx = drv.context()
                 drv("cuGraphCreate", ctypes.byref(self._graph), ctypes.c_uint(0))
-                handle = ctypes.c_uint64()
-                drv(
-                    "cuGraphConditionalHandleCreate", ctypes.byref(handle), self._graph, ctx,
-                    ctypes.c_uint(0), ctypes.c_uint(_ASSIGN_DEFAULT),
-                )  # fmt: skip
-                fn = drv.set_conditional_kernel(device.index)
-
-                def prologue_and_set() -> torch.Tensor:
-                    pred = prologue()
-                    if (
-                        not isinstance(pred, torch.Tensor)
-                        or not 1 <= pred.numel() < 2**31
-                        or pred.dim() > 1
-                        or not pred.is_contiguous()
-                        or pred.device != device
-                        or pred.dtype not in (torch.bool, torch.uint8)
-                    ):
-                        raise ValueError(
-                            "prologue: expected a contiguous bool / uint8 tensor of one "
-                            f"dimension at most and at least one element on {device}, got "
-                            f"{getattr(pred, 'dtype', type(pred).__name__)} "
-                            f"{list(getattr(pred, 'shape', []))} on {getattr(pred, 'device', '-')}"
-                        )
-                    stream = torch.cuda.current_stream(device).cuda_stream
-                    if torch.cuda.is_current_stream_capturing():  # one warp reads every byte
-                        args = (
-                            ctypes.c_uint64(handle.value), ctypes.c_uint64(pred.data_ptr()),
-                            ctypes.c_uint32(pred.numel()),
-                        )  # fmt: skip
-                        ptrs = (ctypes.c_void_p * 3)(
-                            *(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args)
-                        )
-                        drv(
-                            "cuLaunchKernel", fn, 1, 1, 1, 32, 1, 1, 0, ctypes.c_void_p(stream),
-                            ptrs, None,
-                        )  # fmt: skip
-                    return pred
-
-                self._prologue, self._prologue_out = self._capture(prologue_and_set, pdl)
-                self._body, self._body_out = self._capture(body, False)
-                first = ctypes.c_void_p()
-                drv(
-                    "cuGraphAddChildGraphNode", ctypes.byref(first), self._graph, None,
-                    ctypes.c_size_t(0), ctypes.c_void_p(self._prologue.raw_cuda_graph()),
-                )  # fmt: skip
-                params = _NodeParams()
-                params.type = _NODE_CONDITIONAL
-                params.conditional.handle = handle.value
-                params.conditional.type = _COND_IF
-                params.conditional.size = 1
-                params.conditional.ctx = ctx
-                node = ctypes.c_void_p()
-                deps = (ctypes.c_void_p * 1)(first.value)
-                drv(
-                    "cuGraphAddNode", ctypes.byref(node), self._graph, deps, ctypes.c_size_t(1),
-                    ctypes.byref(params),
-                )  # fmt: skip
-                body_graph = ctypes.c_void_p(params.conditional.phGraph_out[0])
-                # the nodes that run the two pieces' clones (owned by self._graph; tests read
-                # their edges): the prologue's child-graph node, the IF node's body graph
-                self._nodes = (first.value, body_graph.value)
-                child = ctypes.c_void_p()
-                drv(
-                    "cuGraphAddChildGraphNode", ctypes.byref(child), body_graph, None,
-                    ctypes.c_size_t(0), ctypes.c_void_p(self._body.raw_cuda_graph()),
-                )  # fmt: skip
+                self._fn = drv.set_conditional_kernel(device.index)
+                self._ctx = ctx
+                self._pieces: list[Any] = []  # every captured piece, kept with the graph
+                outs = self._add(self._graph, prologue, body, pdl)
+                self._prologue_out, self._body_out = outs
+                # the pieces of the top level: the prologue and the body's first graph
+                # (benchmarks count their nodes)
+                self._prologue, self._body = self._pieces[0], self._pieces[1]
                 drv(
                     "cuGraphInstantiateWithFlags", ctypes.byref(self._exec), self._graph,
                     ctypes.c_ulonglong(0),
                 )  # fmt: skip
         finally:
             set_pdl(pdl)
+
+    def _add(
+        self, graph: ctypes.c_void_p, prologue: Callable[[], torch.Tensor], body: Any, pdl: bool
+    ) -> tuple[Any, Any]:
+        """Into ``graph``: a child graph of ``prologue`` (ending with the set-conditional warp
+        on a new handle of ``graph``), then an IF node behind it whose body graph holds
+        ``body`` -- one captured child graph, or for a :class:`Branch` the same two nodes again
+        (nested). Returns what the prologue and the body returned when captured."""
+        drv = _driver()
+        device = self.device
+        handle = ctypes.c_uint64()
+        drv(
+            "cuGraphConditionalHandleCreate", ctypes.byref(handle), graph, self._ctx,
+            ctypes.c_uint(0), ctypes.c_uint(_ASSIGN_DEFAULT),
+        )  # fmt: skip
+        fn = self._fn
+
+        def prologue_and_set() -> torch.Tensor:
+            pred = prologue()
+            _check_predicate(pred, device)
+            stream = torch.cuda.current_stream(device).cuda_stream
+            if torch.cuda.is_current_stream_capturing():  # one warp reads every byte
+                args = (
+                    ctypes.c_uint64(handle.value), ctypes.c_uint64(pred.data_ptr()),
+                    ctypes.c_uint32(pred.numel()),
+                )  # fmt: skip
+                ptrs = (ctypes.c_void_p * 3)(
+                    *(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args)
+                )
+                drv(
+                    "cuLaunchKernel", fn, 1, 1, 1, 32, 1, 1, 0, ctypes.c_void_p(stream),
+                    ptrs, None,
+                )  # fmt: skip
+            return pred
+
+        captured, pred = self._capture(prologue_and_set, pdl)
+        self._pieces.append(captured)
+        first = ctypes.c_void_p()
+        drv(
+            "cuGraphAddChildGraphNode", ctypes.byref(first), graph, None, ctypes.c_size_t(0),
+            ctypes.c_void_p(captured.raw_cuda_graph()),
+        )  # fmt: skip
+        params = _NodeParams()
+        params.type = _NODE_CONDITIONAL
+        params.conditional.handle = handle.value
+        params.conditional.type = _COND_IF
+        params.conditional.size = 1
+        params.conditional.ctx = self._ctx
+        node = ctypes.c_void_p()
+        deps = (ctypes.c_void_p * 1)(first.value)
+        drv(
+            "cuGraphAddNode", ctypes.byref(node), graph, deps, ctypes.c_size_t(1),
+            ctypes.byref(params),
+        )  # fmt: skip
+        body_graph = ctypes.c_void_p(params.conditional.phGraph_out[0])
+        if graph is self._graph:
+            # the nodes that run the top level's clones (owned by self._graph; tests read
+            # their edges): the prologue's child-graph node, the IF node's body graph
+            self._nodes = (first.value, body_graph.value)
+        if isinstance(body, Later):  # decided by the prologue's capture
+            body = body.get()
+        if isinstance(body, Branch):
+            return pred, self._add(body_graph, body.first, body.then, False)
+        piece, out = self._capture(body, False)
+        self._pieces.append(piece)
+        child = ctypes.c_void_p()
+        drv(
+            "cuGraphAddChildGraphNode", ctypes.byref(child), body_graph, None,
+            ctypes.c_size_t(0), ctypes.c_void_p(piece.raw_cuda_graph()),
+        )  # fmt: skip
+        return pred, out
 
     def _capture(self, fn: Callable[[], Any], pdl: bool) -> tuple[Any, Any]:
         """``fn`` run once on a side stream, then captured (keeping its graph), with
@@ -408,7 +486,8 @@ class IfGraph:
     @property
     def outputs(self) -> tuple[Any, Any]:
         """What the prologue (its predicate) and the body returned when captured: the tensors
-        a launch writes."""
+        a launch writes (a :class:`Branch` body: the pair of its ``first``'s predicate and its
+        ``then``'s outputs, nested likewise)."""
         return self._prologue_out, self._body_out
 
     def launch(self) -> None:

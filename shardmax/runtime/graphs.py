@@ -100,6 +100,7 @@ import torch
 
 from shardmax.runtime import kernels
 from shardmax.runtime.collectives import gather_into, reduce_max_in_place
+from shardmax.runtime.conditional import run_eagerly
 from shardmax.runtime.indirect import IndirectLogits
 
 MAX_GRAPHS = 32
@@ -492,10 +493,10 @@ class _Captured:
             else:
                 self._fetch(slot.buf)
                 self._body(copy_out=True)
-                if slot.fold is not None:  # off CUDA: the predicate read on the host
+                if slot.fold is not None:  # off CUDA: the predicates read on the host
                     predicate, fold_body = slot.fold
                     if bool(predicate().any()):
-                        fold_body()
+                        run_eagerly(fold_body)
         except BaseException:  # the request may never be fetched: never wait for it
             slot.retired = True
             raise
@@ -531,13 +532,13 @@ class Epilogue(Protocol):
         ``result`` is the step's outputs (the slot's static ones, as ``plan.run`` returns them);
         ``capture``: a capture's table, whose eager warm-up must leave every output as it is."""
 
-    def capture(
-        self, table: torch.Tensor, result: Any
-    ) -> tuple[Callable[[], torch.Tensor], Callable[[], Any]]:
+    def capture(self, table: torch.Tensor, result: Any) -> tuple[Callable[[], torch.Tensor], Any]:
         """``(predicate, body)`` of one slot: ``table`` is the device view of its words,
         ``result`` the slot's outputs. ``predicate()`` launches what decides and returns it (a
         contiguous bool / uint8 tensor of one dimension at most: run when any element is
-        nonzero), ``body()`` the work. On CUDA both are captured and run
+        nonzero), ``body()`` the work -- or ``body`` a
+        :class:`~shardmax.runtime.conditional.Branch`, which decides again on the device
+        (nested IF nodes). On CUDA both are captured and run
         once eagerly before (``IfGraph`` 's warm-up; ``capture`` is called for the warm-up and
         again for the capture, the second pair kept), so they must be capturable; off CUDA
         they run eagerly on each step of the slot (the predicate read on the host). Raising
@@ -551,7 +552,7 @@ class _FoldedGraph:
     __slots__ = ("_keep", "graph", "outputs")
 
     def __init__(self, captured: _Captured, step: Callable[[], Any], epilogue: Any) -> None:
-        from shardmax.runtime.conditional import IfGraph
+        from shardmax.runtime.conditional import IfGraph, Later
 
         table = captured.table[captured.fold_at :]
         box: dict[str, Any] = {}
@@ -562,9 +563,8 @@ class _FoldedGraph:
             box["outs"], box["fold"] = outs, epilogue.capture(table, captured.make(outs))
             return box["fold"][0]()
 
-        def body() -> Any:
-            return box["fold"][1]()
-
+        # the body the capture's epilogue named (a callable, or a Branch: nested IF nodes)
+        body = Later(lambda: box["fold"][1])
         self.graph = IfGraph(prologue, body, captured.device, pool=epilogue.pool(captured.device))
         self.outputs: list[torch.Tensor] = box["outs"]  # the captured step's own outputs
         self._keep = box  # the body's buffers (and the epilogue's state) live with the graph

@@ -27,6 +27,7 @@ fixed order and are present only when the family has that axis::
     table_fetch                     a replayed step's argument table, host buffer -> device
     resolve_fill_bf16               a resolution's padded sub-batch (synthetic rows, indices)
     resolve_apply                   a resolution's answers written into the step's outputs
+    resolve_select                  a folded fallback's flagged requests picked on the device
 
 ``tp`` is ``2``, ``4`` or ``8`` (the loop over ranks is unrolled) or ``n`` (any TP size,
 non-powers of two included). Names are valid Python module names.
@@ -56,6 +57,7 @@ FAMILIES = (
     "table_fetch",
     "resolve_fill",
     "resolve_apply",
+    "resolve_select",
     "topp_hist",
     "topp_combine",
     "topp_replay",
@@ -69,7 +71,7 @@ _NAME_RE = re.compile(
     r"^(?P<family>shard_keys|argmax_pick|verify_finish|sampled_record|sampled_finish"
     r"|sampled_draw|sampled_pick|sampled_merge|row_params|block_stats|strict_rebuild|strict_replay|strict_lse|table_copy"
     r"|table_fetch"
-    r"|resolve_fill|resolve_apply"
+    r"|resolve_fill|resolve_apply|resolve_select"
     r"|topp_hist|topp_combine|topp_replay)"
     r"(?:_(?P<dtype>bf16|fp16|fp32))?"
     r"(?:_va(?P<align>\d+))?"
@@ -111,6 +113,7 @@ class VariantKey:
             "table_copy",
             "table_fetch",
             "resolve_apply",
+            "resolve_select",
         ):
             if (self.dtype, self.align, self.block, self.tp, self.transport) != (None,) * 5:
                 raise ValueError(f"{self.family} has no axis: {self}")

@@ -103,6 +103,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -116,14 +117,18 @@ from shardmax.integrations.vllm.resolution import (
     APPLY_WORDS,
     _check_result,
     _state,
+    _Sub,
+    fitting_capacity,
+    gates_rows,
+    sub_chain,
 )
 from shardmax.ops.sampled import VerifyResult
 from shardmax.runtime import kernels
-from shardmax.runtime.conditional import IfGraph, unavailable
+from shardmax.runtime.conditional import Branch, IfGraph, run_eagerly, unavailable
 from shardmax.runtime.graphs import FetchedTable, _release_fetched
 from shardmax.runtime.pools import GraphPool
 
-__all__ = ["MAX_GRAPHS", "SLOTS", "DeviceFallback"]
+__all__ = ["MAX_CAPACITY", "MAX_GRAPHS", "SLOTS", "DeviceFallback", "default_capacity"]
 
 MAX_GRAPHS = 16
 """Captured step signatures kept per fallback (least recently used out)."""
@@ -157,6 +162,21 @@ def _pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
+MAX_CAPACITY = 8
+"""The most flagged requests :func:`default_capacity` resolves apart from the whole step."""
+
+
+def default_capacity(reqs: int) -> int:
+    """Flagged requests of a bucket of ``reqs`` request slots that the body resolves on a padded
+    sub-batch (more: vLLM's chain on the whole step too): one per 16 slots rounded up to a power
+    of two, at most :data:`MAX_CAPACITY`; 0 (the whole step always) where that would be the
+    whole bucket. Realistic top-p steps flag 2-5 % of their requests (README), so the capacity
+    holds about twice the expected count; the sub-batch's chain costs what vLLM's costs on
+    ``capacity * (K + 1)`` rows."""
+    cap = min(MAX_CAPACITY, _pow2(-(-reqs // 16)))
+    return cap if cap < reqs else 0
+
+
 class _Eager:
     """:class:`IfGraph`'s contract off CUDA (tests): made, each callable runs once (the
     captures' warm-up); launched, the prologue, a host read of its predicate, the body."""
@@ -164,11 +184,14 @@ class _Eager:
     def __init__(self, prologue: Any, body: Any) -> None:
         self.prologue, self.body = prologue, body
         prologue()
+        while isinstance(body, Branch):  # every piece once, as IfGraph's captures do
+            body.first()
+            body = body.then
         body()
 
     def launch(self) -> None:
         if bool(self.prologue().any()):
-            self.body()
+            run_eagerly(self.body)
 
 
 class _Slot(FetchedTable):
@@ -229,6 +252,8 @@ class _Bucket:
         self.next = 0
         self.keep: list[Any] = []
         self.failed = False
+        self.compact: _Compact | None = None  # its padded sub-batch (_compact), once decided
+        self.decided = False
 
     def slot(self) -> _Slot | None:
         """The next free slot (round robin), or None when the GPU has fetched none of them."""
@@ -238,6 +263,24 @@ class _Bucket:
                 self.next = (self.next + i + 1) % SLOTS
                 return s
         return None
+
+
+class _Compact:
+    """A bucket's padded sub-batch of flagged requests (:meth:`DeviceFallback._compact`): the
+    static buffers ``resolve_select`` fills and vLLM's chain reads, the rows' ``table_copy``
+    entries, the overflow flag, the padding row and the sub-batch's gates."""
+
+    __slots__ = ("entries", "gates", "over", "pad", "programs", "sub")
+
+    def __init__(self, sub: _Sub, gates: Any) -> None:
+        dev = sub.logits.device
+        self.sub, self.gates = sub, gates
+        self.entries = torch.zeros(3 * sub.rows, dtype=torch.int64, device=dev)
+        self.over = torch.zeros(1, dtype=torch.uint8, device=dev)
+        self.pad = sub.pad_row  # one token far above the rest: the chain's cheapest row
+        row = sub.logits.shape[1] * sub.logits.element_size()
+        block = int(kernels.kernel("table_copy").module.BLOCK)
+        self.programs = max(1, min(64, -(-row // (16 * block))))  # programs sharing a row
 
 
 def _words(
@@ -299,7 +342,7 @@ class _Fold:
 
     def capture(
         self, table: torch.Tensor, result: VerifyResult
-    ) -> tuple[Callable[[], torch.Tensor], Callable[[], Any]]:
+    ) -> tuple[Callable[[], torch.Tensor], Callable[[], Any] | Branch]:
         return self.fallback._folded(self, table, result)
 
 
@@ -311,15 +354,28 @@ class DeviceFallback:
         capture_after: a signature is captured on its ``capture_after``-th step (the earlier
             ones return False: the caller's host-read path).
         emulate: off CUDA, run the same prologue and body eagerly with a host read of the
-            predicate (the CPU tests of the tables, the padding and the kernels).
+            predicates (the CPU tests of the tables, the padding and the kernels).
+        capacity: flagged requests a step's body resolves on a padded sub-batch before it
+            would run vLLM's chain on the whole step (more flagged: the whole step too); None
+            (default): :func:`default_capacity` of each bucket; 0: the whole step always.
 
     Raises:
-        ValueError: ``capture_after < 1``.
+        ValueError: ``capture_after < 1``; ``capacity`` negative.
     """
 
-    def __init__(self, chain: NativeChain, *, capture_after: int = 2, emulate: bool = False):
+    def __init__(
+        self,
+        chain: NativeChain,
+        *,
+        capture_after: int = 2,
+        emulate: bool = False,
+        capacity: int | None = None,
+    ):
         if capture_after < 1:
             raise ValueError(f"capture_after: expected >= 1, got {capture_after}")
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity: expected None or >= 0, got {capacity}")
+        self.capacity = capacity
         self.chain = chain
         self.capture_after = capture_after
         self.emulate = emulate
@@ -468,7 +524,7 @@ class DeviceFallback:
 
     def _folded(
         self, fold: _Fold, table: torch.Tensor, result: VerifyResult
-    ) -> tuple[Callable[[], torch.Tensor], Callable[[], Any]]:
+    ) -> tuple[Callable[[], torch.Tensor], Callable[[], Any] | Branch]:
         """A slot's ``(predicate, body)`` of ``fold`` (:meth:`fold`): its bucket's body reading
         ``table``, run when one of ``result``'s flags is set."""
         _check_result(result, fold.step)
@@ -484,13 +540,12 @@ class DeviceFallback:
                 b = self._new_bucket(fold.bucket, fold.tensors["logits"], fold.tensors)
             self._buckets.move_to_end(fold.bucket)
         flags = result.fallback
-        inner = self._body(b, b.table, fold.step, fold.num_reqs)
 
-        def body() -> Any:
+        def merge() -> None:
             # the step's words (read from the replayed step's table) and the bucket's own
             torch.where(b.static_mask, b.static_words, table, out=b.table)
-            return inner()
 
+        body = self._body(b, b.table, fold.step, fold.num_reqs, flags, merge)
         return (lambda: flags), body  # the set-conditional kernel reads every flag
 
     # ---- signature, buffers and table --------------------------------------------------------
@@ -633,11 +688,26 @@ class DeviceFallback:
     # ---- capture -------------------------------------------------------------------------------
 
     def _body(
-        self, b: _Bucket, table: torch.Tensor, step: dict[str, Any], num_reqs: int
-    ) -> Callable[[], Any]:
-        """The body of a bucket's graph: the step's tensors (their addresses in ``table``, the
-        device copy of :func:`_words`' layout) into the bucket's buffers, the padding, vLLM's
-        chain on the bucket, then its answers into the step's outputs (``resolve_apply``)."""
+        self,
+        b: _Bucket,
+        table: torch.Tensor,
+        step: dict[str, Any],
+        num_reqs: int,
+        flags: torch.Tensor,
+        prelude: Callable[[], Any] | None = None,
+    ) -> Callable[[], Any] | Branch:
+        """The body of a bucket's graph, reading the step's words in ``table`` (the device copy
+        of :func:`_words`' layout; ``prelude`` first builds it, where given) and the step's
+        fallback ``flags`` (``[>= num_reqs]`` bool).
+
+        The whole step: the step's tensors into the bucket's buffers, the padding, vLLM's
+        chain on the bucket, then its answers into the step's outputs (``resolve_apply``).
+        Where the bucket has a capacity (:meth:`_compact`), a :class:`Branch` before it: the
+        flagged requests picked on the device (``resolve_select``), their rows copied into a
+        padded sub-batch, vLLM's chain on it (:func:`~shardmax.integrations.vllm.resolution.
+        sub_chain`) and its answers into the step's outputs; the whole step runs only when more
+        requests are flagged than the capacity holds (its answers then replace every
+        request's)."""
         copy = kernels.kernel("table_copy")
         apply = kernels.kernel("resolve_apply")
         chain = self.chain
@@ -690,13 +760,96 @@ class DeviceFallback:
                 BLOCK_K=max(int(apply.module.CONSTEXPRS["BLOCK_K"]), 1 << (width - 1).bit_length()),
             )  # fmt: skip
             b.flags.zero_()  # the next step's copy writes num_reqs flags: the rest stay clear
-            if out.sampled.is_cuda and torch.cuda.is_current_stream_capturing():
-                # vLLM's top-k / top-p workspaces as the graph holds them: kept alive with it
-                mod = chain.modules.topk_topp
-                b.keep.append([dict(getattr(mod, name, {})) for name in _WORKSPACES])
+            self._keep_workspaces(b, out.sampled)
             return out
 
-        return body
+        compact = self._compact(b, kw, idx_np)
+        if compact is None:
+            if prelude is None:
+                return body
+
+            def whole() -> Any:
+                prelude()
+                return body()
+
+            return whole
+        select = kernels.kernel("resolve_select")
+        sub = compact.sub
+        sub_kw = {**step, **kw}
+        req_sel = sub.table[sub.req_off : sub.req_off + sub.reqs]
+        apply_words = sub.table[sub.apply_off :]
+        esize = b.logits.element_size()
+        vocab = int(b.logits.shape[1])
+        row_bytes = int(b.logits_base.stride(0)) * esize  # the step's row stride (its key's)
+        k = int(step["num_speculative_steps"])
+        consts = {
+            "NUM_REQS_AT": _NUM_REQS, "APPLY_AT": _APPLY, "LOGITS_AT": _BODY,
+            "BLOCK_R": int(select.module.CONSTEXPRS["BLOCK_R"]), "CAP_P": _pow2(sub.reqs),
+            "ROWS_P": _pow2(k + 1),
+        }  # fmt: skip
+
+        def first() -> torch.Tensor:
+            if prelude is not None:
+                prelude()
+            # the step's small tensors into the bucket (the whole step's logits stay where
+            # they are), then the flagged requests and their rows picked on the device
+            copy((len(_COPIED) - 1,), table[_BODY + 3 :], BLOCK=block, SPREAD=False)
+            select(  # (a view made here: a slot's outputs own their storage alone)
+                (1,), table, flags.view(torch.uint8), s["cu_num_logits"], s["draft_sampled"], s["pos"],
+                s["expanded_idx_mapping"], s["expanded_local_pos"], s["idx_mapping"],
+                s["seq_lens"], sub.row_index["draft_sampled"], sub.row_index["pos"],
+                sub.row_index["expanded_idx_mapping"], sub.row_index["expanded_local_pos"],
+                sub.idx_mapping, sub.seq_lens, sub.cu, req_sel, apply_words, compact.entries,
+                compact.over, sub.logits.data_ptr(), sub.logits.stride(0) * esize,
+                compact.pad.data_ptr(), row_bytes, vocab * esize, sub.reqs, sub.rows, **consts,
+            )  # fmt: skip
+            copy((sub.rows, compact.programs), compact.entries, BLOCK=block, SPREAD=True)
+            out = sub_chain(chain, sub, compact.gates, k, sub_kw)
+            if flags is b.flags:  # the second call's copy: clear for the next step's
+                b.flags.zero_()
+            self._keep_workspaces(b, out.sampled)
+            return compact.over
+
+        return Branch(first, body)
+
+    def _keep_workspaces(self, b: _Bucket, like: torch.Tensor) -> None:
+        """Under a capture: vLLM's top-k / top-p workspaces as the graph holds them, kept alive
+        with the bucket."""
+        if like.is_cuda and torch.cuda.is_current_stream_capturing():
+            mod = self.chain.modules.topk_topp
+            b.keep.append([dict(getattr(mod, name, {})) for name in _WORKSPACES])
+
+    def _compact(self, b: _Bucket, kw: dict[str, Any], idx_np: np.ndarray) -> _Compact | None:
+        """The bucket's padded sub-batch of flagged requests (made once per bucket), or None
+        where it has none: a capacity of 0 (``capacity``, :func:`default_capacity`) or of the
+        whole bucket, or one whose padded rows would make vLLM pick another top-p pipeline or
+        split count than the bucket's (:func:`~shardmax.integrations.vllm.resolution.
+        fitting_capacity`)."""
+        if b.decided:
+            return b.compact
+        b.decided = True
+        cap = default_capacity(b.reqs) if self.capacity is None else self.capacity
+        if not 0 < cap < b.reqs:
+            return None
+        chain = self.chain
+        k = int(kw["num_speculative_steps"])
+        vocab = int(b.logits.shape[1])
+        gates = NativeChain._gates(idx_np, _state(kw), vocab, b.rows)
+        pipeline = chain.topp_pipeline_for(
+            b.rows, top_k_active=gates.do_k, top_p_active=gates.do_p,
+            has_topp_only_rows=gates.only_p, device_type=b.logits.device.type,
+        )  # fmt: skip
+        if (
+            fitting_capacity(chain, (cap,), cap, k, b.rows, vocab, pipeline, b.logits.device)
+            is None
+        ):
+            return None
+        rows = cap * (k + 1)
+        b.compact = _Compact(
+            _Sub(rows, cap, {"logits": b.logits, **b.static}),
+            replace(gates, rows=gates_rows(chain, pipeline, rows, b.rows)),
+        )
+        return b.compact
 
     def _capture(self, b: _Bucket, slot: _Slot, step: dict[str, Any], num_reqs: int) -> None:
         """Build a slot's graph (or its eager stand-in), the step's table already in the slot
@@ -711,7 +864,7 @@ class DeviceFallback:
             copy((1,), table[_FLAGS:], BLOCK=copy.module.BLOCK, SPREAD=False)
             return b.flags  # (the padding's flags stay clear)
 
-        body = self._body(b, table, step, num_reqs)
+        body = self._body(b, table, step, num_reqs, b.flags)
         if b.table.device.type != "cuda":
             slot.graph = _Eager(prologue, body)  # the emulated capture (counted as one)
             self.stats["captured"] += 1

@@ -80,7 +80,7 @@ from shardmax.runtime import kernels
 from shardmax.runtime.host import stage, stage_into
 from shardmax.runtime.pools import GraphPool
 
-__all__ = ["CAPACITIES", "CapturedResolution"]
+__all__ = ["CAPACITIES", "CapturedResolution", "fitting_capacity", "gates_rows", "sub_chain"]
 
 CAPACITIES = (1, 2, 4, 8, 16, 32)
 """Request capacities of the captured sub-batches (flagged requests per step; more run eagerly).
@@ -542,11 +542,7 @@ class CapturedResolution:
         # pipeline runs on the padded rows (same split count), a chunk over the split threshold
         # keeps the monolithic kernel (the chain sets the threshold to 0 for the call), a
         # smaller one runs as it would
-        threshold = int(chain.modules.topk_topp._SPLIT_MAX_BATCH)
-        if "split" in pipeline:
-            rows_key = rows
-        else:
-            rows_key = threshold + 1 if chunk_rows > threshold else chunk_rows
+        rows_key = gates_rows(chain, pipeline, rows, chunk_rows)
         key = _Key(
             rows, reqs, k, vocab, rows_logits.dtype, str(rows_logits.device), dtypes,
             replace(gates, rows=rows_key), pipeline, bool(step.get("use_fp64_gumbel", False)),
@@ -557,24 +553,9 @@ class CapturedResolution:
     def _capacity(
         self, n: int, k: int, chunk_rows: int, vocab: int, pipeline: str, device: torch.device
     ) -> int | None:
-        """The smallest capacity >= ``n`` whose ``capacity * (K + 1)`` padded rows get vLLM's
-        pipeline of the chunk: any for the monolithic kernel or none; for the split pipeline
-        at most vLLM's split threshold and the chunk's own split count."""
-        mod = self.chain.modules.topk_topp
-        for cap in self.capacities:
-            if cap < n:
-                continue
-            rows = cap * (k + 1)
-            if "split" not in pipeline:
-                return cap
-            if rows > mod._SPLIT_MAX_BATCH:
-                return None
-            mine = _split_count(mod, rows, vocab, device)
-            if rows == chunk_rows or (
-                mine is not None and mine == _split_count(mod, chunk_rows, vocab, device)
-            ):
-                return cap
-        return None
+        """The smallest of the capacities that fits (:func:`fitting_capacity`)."""
+        return fitting_capacity(self.chain, self.capacities, n, k, chunk_rows, vocab, pipeline,
+                                device)  # fmt: skip
 
     # ---- buffers, body, capture ------------------------------------------------------------
 
@@ -643,35 +624,8 @@ class CapturedResolution:
         )  # fmt: skip
 
     def _body(self, sub: _Sub, key: _Key, step: dict[str, Any]) -> ChainOutput:
-        """The chain on ``sub``'s buffers: ``_verify``'s one chunk as vLLM runs it."""
-        gates = key.gates
-        chain = self.chain
-        state = _state(step)
-        chunk = _Chunk(
-            sub.logits, sub.row_index["draft_sampled"], sub.cu, sub.row_index["pos"],
-            sub.idx_mapping, sub.row_index["expanded_idx_mapping"],
-            sub.row_index["expanded_local_pos"], gates,
-        )  # fmt: skip
-        out = chain._rejection(
-            [chunk], state, int(sub.logits.shape[1]), key.k, step["temperature_gpu"],
-            step["seed_gpu"], None, bool(step.get("use_fp64_gumbel", False)), sub.seq_lens,
-            sub.cu, sub.idx_mapping, step["prefill_len"],
-        )  # fmt: skip
-        # the answers into the step's outputs (table words: n = 0 writes nothing)
-        width = int(out.sampled.shape[1])
-        apply = kernels.kernel("resolve_apply")
-        if out.sampled.dim() != 2 or out.sampled.stride(1) != 1:
-            raise RuntimeError(
-                f"vLLM's chain returned tokens of shape {tuple(out.sampled.shape)} and strides "
-                f"{out.sampled.stride()}; resolve_apply reads [slots, K + 1] rows of unit stride"
-            )
-        apply(
-            (sub.reqs,), sub.table[sub.apply_off :], sub.table[sub.req_off :], out.sampled,
-            out.num_sampled, out.num_rejected, width, out.sampled.stride(0),
-            out.num_sampled.stride(0), out.num_rejected.stride(0),
-            BLOCK_K=max(int(apply.module.CONSTEXPRS["BLOCK_K"]), 1 << (width - 1).bit_length()),
-        )  # fmt: skip
-        return out
+        """The chain on ``sub``'s buffers (:func:`sub_chain`)."""
+        return sub_chain(self.chain, sub, key.gates, key.k, step)
 
     def _capture(self, sub: _Sub, key: _Key, step: dict[str, Any]) -> None:
         """Capture the chain on ``sub`` (its buffers already filled; the earlier padded eager
@@ -700,6 +654,84 @@ class CapturedResolution:
         sub.keep = [dict(getattr(mod, name, {})) for name in _WORKSPACES]
         sub.graph = graph
         self.stats["captured"] += 1
+
+
+def fitting_capacity(
+    chain: NativeChain,
+    capacities: tuple[int, ...],
+    n: int,
+    k: int,
+    chunk_rows: int,
+    vocab: int,
+    pipeline: str,
+    device: torch.device,
+) -> int | None:
+    """The smallest of ``capacities`` (increasing) holding ``n`` requests whose ``capacity * (K
+    + 1)`` padded rows get vLLM's top-p pipeline of the chunk (``pipeline``, of
+    ``chunk_rows`` rows): any capacity for the monolithic kernel or none; for the split pipeline
+    at most vLLM's split threshold and the chunk's own split count. None: no capacity fits."""
+    mod = chain.modules.topk_topp
+    for cap in capacities:
+        if cap < n:
+            continue
+        rows = cap * (k + 1)
+        if "split" not in pipeline:
+            return cap
+        if rows > mod._SPLIT_MAX_BATCH:
+            return None
+        mine = _split_count(mod, rows, vocab, device)
+        if rows == chunk_rows or (
+            mine is not None and mine == _split_count(mod, chunk_rows, vocab, device)
+        ):
+            return cap
+    return None
+
+
+def gates_rows(chain: NativeChain, pipeline: str, rows: int, chunk_rows: int) -> int:
+    """The row count a padded sub-batch of ``rows`` rows gives vLLM's gates (``_Gates.rows``)
+    so that its chain takes the chunk's pipeline: the chunk's row count matters to vLLM only
+    through the pipeline it picks -- the split pipeline runs on the padded rows (same split
+    count, :func:`fitting_capacity`), a chunk over the split threshold keeps the monolithic
+    kernel (the chain sets the threshold to 0 for the call), a smaller one runs as it would."""
+    if "split" in pipeline:
+        return rows
+    threshold = int(chain.modules.topk_topp._SPLIT_MAX_BATCH)
+    return threshold + 1 if chunk_rows > threshold else chunk_rows
+
+
+def sub_chain(
+    chain: NativeChain, sub: _Sub, gates: Any, k: int, step: dict[str, Any]
+) -> ChainOutput:
+    """vLLM's chain on a padded sub-batch's buffers -- ``_verify``'s one chunk as vLLM runs it,
+    with the chunk's host decisions ``gates`` (``rows`` set by :func:`gates_rows`) -- then
+    ``resolve_apply`` writing its answers into the step's outputs (the addresses and ``n`` in
+    ``sub.table``'s apply words: n = 0 writes nothing). ``step``: the chain's step arguments
+    (the per-slot state the captured chain reads where it is)."""
+    state = _state(step)
+    chunk = _Chunk(
+        sub.logits, sub.row_index["draft_sampled"], sub.cu, sub.row_index["pos"],
+        sub.idx_mapping, sub.row_index["expanded_idx_mapping"],
+        sub.row_index["expanded_local_pos"], gates,
+    )  # fmt: skip
+    out = chain._rejection(
+        [chunk], state, int(sub.logits.shape[1]), k, step["temperature_gpu"],
+        step["seed_gpu"], None, bool(step.get("use_fp64_gumbel", False)), sub.seq_lens,
+        sub.cu, sub.idx_mapping, step["prefill_len"],
+    )  # fmt: skip
+    width = int(out.sampled.shape[1])
+    apply = kernels.kernel("resolve_apply")
+    if out.sampled.dim() != 2 or out.sampled.stride(1) != 1:
+        raise RuntimeError(
+            f"vLLM's chain returned tokens of shape {tuple(out.sampled.shape)} and strides "
+            f"{out.sampled.stride()}; resolve_apply reads [slots, K + 1] rows of unit stride"
+        )
+    apply(
+        (sub.reqs,), sub.table[sub.apply_off :], sub.table[sub.req_off :], out.sampled,
+        out.num_sampled, out.num_rejected, width, out.sampled.stride(0),
+        out.num_sampled.stride(0), out.num_rejected.stride(0),
+        BLOCK_K=max(int(apply.module.CONSTEXPRS["BLOCK_K"]), 1 << (width - 1).bit_length()),
+    )  # fmt: skip
+    return out
 
 
 def _split_count(mod: Any, rows: int, vocab: int, device: torch.device) -> int | None:
