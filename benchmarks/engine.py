@@ -43,9 +43,8 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
      one launch, one table, the predicate and vLLM's chain a conditional node behind the step's
      kernels) -- the plug-in's TP-1 temperature call (its default on CUDA);
    * ``shardmax-hist+fold`` (top-p traffic, TP 1): the histogram plan with the folded device
-     fallback (vLLM's chain on the step, at its exact size, where a request is flagged; no
-     host read) -- the plug-in's top-p call at TP 1 up to ``TOPP_FOLD_MAX_ROWS`` rows (the
-     host read and resolution, ``shardmax-hist+resolve``, above);
+     fallback (vLLM's chain on the flagged requests' padded sub-batch, on the whole step at its
+     exact size past the capacity; no host read) -- the plug-in's top-p call at TP 1;
    * ``shardmax-hist+resolve`` (top-p traffic): the same with the top-p rows verified from level
      histograms (``VocabShard.verify(rows, topp=pipeline_for(rows, "cuda", version))``, replayed
      from its CUDA graphs: the plug-in's top-p call) instead of
@@ -764,8 +763,8 @@ def plugin_path(mix: str, rows: int, tp: int, paths: set[str]) -> str | None:
     :func:`~shardmax.integrations.vllm.step.sampled_routing`, the plug-in leaves TP-1 sampled
     steps to vLLM's own chain, the loop's ``vllm`` path): greedy steps replay (``shardmax``);
     sampled steps at TP 1 run the folded device fallback (top-p: behind the level-histogram
-    plan, up to :data:`~shardmax.integrations.vllm.step.TOPP_FOLD_MAX_ROWS` rows), else the
-    host read and per-request resolution (top-p: behind the histogram plan). None where the
+    plan), else (TP > 1) the host read and per-request resolution (top-p: behind the histogram
+    plan). None where the
     loop did not run that path."""
     from shardmax.integrations.vllm.step import uses_device_fallback
 
@@ -774,13 +773,11 @@ def plugin_path(mix: str, rows: int, tp: int, paths: set[str]) -> str | None:
     elif mix == "top_p":
         path = (
             "shardmax-hist+fold"
-            if uses_device_fallback(tp, True, True, rows)
+            if uses_device_fallback(tp, True, True)
             else "shardmax-hist+resolve"
         )
     else:
-        path = (
-            "shardmax+fold" if uses_device_fallback(tp, False, False, rows) else "shardmax+resolve"
-        )
+        path = "shardmax+fold" if uses_device_fallback(tp, False, False) else "shardmax+resolve"
     return path if path in paths else None
 
 

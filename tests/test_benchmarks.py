@@ -552,14 +552,13 @@ def test_write_rows_writes_the_header_and_two_decimal_floats(tmp_path: Path) -> 
 
 def test_engine_targets_follow_the_plugins_call() -> None:
     """The engine summary's issue-19 targets judge the path the plug-in takes at each row count
-    (the folded fallback up to TOPP_FOLD_MAX_ROWS top-p rows, the host read above; the fold at
-    T = 1; the candidate path's resolution at TP > 1), not the bare replay."""
+    (the folded fallback behind top-p and at T = 1 at TP 1, the host read and resolution at
+    TP > 1), not the bare replay."""
     from benchmarks.engine import plugin_path, summary
-    from shardmax.integrations.vllm.step import TOPP_FOLD_MAX_ROWS
 
     top = {"shardmax", "shardmax-hist+fold", "shardmax-hist+resolve", "vllm"}
-    assert plugin_path("top_p", TOPP_FOLD_MAX_ROWS, 1, top) == "shardmax-hist+fold"
-    assert plugin_path("top_p", TOPP_FOLD_MAX_ROWS + 1, 1, top) == "shardmax-hist+resolve"
+    assert plugin_path("top_p", 4, 1, top) == "shardmax-hist+fold"
+    assert plugin_path("top_p", 1024, 1, top) == "shardmax-hist+fold"
     assert plugin_path("top_p", 4, 2, top) == "shardmax-hist+resolve"
     assert plugin_path("temperature", 512, 1, {"shardmax+fold"}) == "shardmax+fold"
     assert plugin_path("temperature", 4, 2, {"shardmax+resolve"}) == "shardmax+resolve"
@@ -571,16 +570,18 @@ def test_engine_targets_follow_the_plugins_call() -> None:
                 "host_us_p50": host, "gpu_us_loop": 1.0, "gpu_us_graph": 1.0, "step_us": 1.0,
                 "tokens_per_s": tps, "host_sync": sync, "note": ""}  # fmt: skip
 
-    big = TOPP_FOLD_MAX_ROWS * 2
+    big = 512
     text = summary([
         row(4, "shardmax", 50.0, 900.0), row(4, "shardmax-hist+fold", 150.0, 1100.0),
         row(4, "vllm", 800.0, 1000.0), row(big, "shardmax", 60.0, 9e4),
-        row(big, "shardmax-hist+resolve", 3000.0, 7e4, "wait"), row(big, "vllm", 900.0, 8e4),
+        row(big, "shardmax-hist+resolve", 30.0, 9e5),  # not the plug-in's call: not judged
+        row(big, "shardmax-hist+fold", 3000.0, 7e4, "wait"), row(big, "vllm", 900.0, 8e4),
     ])  # fmt: skip
     plugin = text.split("## Targets (issue 19): the plug-in's call")[1].split("\n## ")[0]
     assert "- top_p rows 4, `shardmax-hist+fold`: host 150.0 us <= 100: FAIL" in plugin
     assert "tokens/s 1100 vs 1000 (PASS)" in plugin
-    assert f"- top_p rows {big}, `shardmax-hist+resolve`" in plugin
+    assert f"- top_p rows {big}, `shardmax-hist+fold`" in plugin
+    assert "shardmax-hist+resolve" not in plugin
     assert "sync-free: FAIL" in plugin and "tokens/s 70000 vs 80000 (FAIL)" in plugin
     assert "`shardmax`:" not in plugin  # the bare replay has its own section
     assert "## The sampled steps' bare replay" in text

@@ -724,18 +724,16 @@ def test_plugin_device_fallback_only_where_it_can_run(monkeypatch) -> None:
 
 
 def test_plugin_uses_device_fallback_on_which_steps() -> None:
-    """TP 1 only; temperature steps at any size; level-histogram top-p steps up to
-    TOPP_FOLD_MAX_ROWS rows (larger ones read the flags); never the candidate path's."""
+    """TP 1 only; temperature steps and level-histogram top-p steps (any size: the buckets hold
+    what vLLM's chunk does); never the candidate path's."""
     from shardmax.integrations.vllm import step
 
-    top = step.TOPP_FOLD_MAX_ROWS
-    assert step.uses_device_fallback(1, nucleus=False, histogram=False, rows=4096)
-    assert step.uses_device_fallback(1, nucleus=True, histogram=True, rows=top)
-    assert not step.uses_device_fallback(1, nucleus=True, histogram=True, rows=top + 1)
-    assert not step.uses_device_fallback(1, nucleus=True, histogram=False, rows=4)
+    assert step.uses_device_fallback(1, nucleus=False, histogram=False)
+    assert step.uses_device_fallback(1, nucleus=True, histogram=True)
+    assert not step.uses_device_fallback(1, nucleus=True, histogram=False)
     for tp in (2, 4, 8):
-        assert not step.uses_device_fallback(tp, nucleus=False, histogram=False, rows=4)
-        assert not step.uses_device_fallback(tp, nucleus=True, histogram=True, rows=4)
+        assert not step.uses_device_fallback(tp, nucleus=False, histogram=False)
+        assert not step.uses_device_fallback(tp, nucleus=True, histogram=True)
 
 
 def test_fold_signature_follows_the_requests_sampling_values_in_place() -> None:

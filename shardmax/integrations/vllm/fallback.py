@@ -1,4 +1,4 @@
-"""vLLM's chain on a whole step, run by the device only when the step flagged a request.
+"""vLLM's chain on a step's flagged requests, run by the device only when the step flagged one.
 
 A sampled step verified by shardmax comes back with ``fallback`` set on the requests it could
 not certify (``VerifyResult``; rare at temperature-only traffic: non-finite rows, acceptance
@@ -13,10 +13,12 @@ read alone, with nothing flagged).
 * prologue: ``table_fetch`` brings the slot's page-locked argument table to the device (and
   acknowledges it), ``table_copy`` the step's ``fallback`` flags into a static buffer (their
   address travels in the table), ``any`` of them is the predicate;
-* body (only when a request is flagged): vLLM's chain on the whole step
+* body (only when a request is flagged): vLLM's chain on the flagged requests (the compact
+  body, below), or on the whole step
   (:meth:`~shardmax.integrations.vllm.chain.NativeChain.verify`, the kernels vLLM itself runs on
-  these logits), then ``resolve_apply`` writes its answers for every request into the step's
-  outputs (their addresses in the table too) and clears the flags.
+  these logits) when more are flagged than the bucket's capacity, then ``resolve_apply``
+  writes its answers into the step's outputs (their addresses in the table too) and clears
+  the flags.
 
 So every request ends with vLLM's answer -- shardmax's where nothing was flagged (identical by
 construction, the parity tests' claim), vLLM's own where something was -- and a step's host work
@@ -45,12 +47,25 @@ engine_fold``): above the second call, the host read and vLLM's chain in tokens/
 count at T = 1; 13-18 us of GPU time and 104-152 us of host p50 over the bare replay (since the
 leaner launch and words, ``engine_fold_launch``: 12-15 us and 60-83 us, within 1 % of vLLM's
 chain in tokens/s at every row count). Behind
-level-histogram top-p (T = 1, top-p 0.95, ``engine_topp_fold``, two runs) it beats the host read
-and per-request resolution by 11-49 % in tokens/s at 4-256 rows (by 44-49 % at 96 rows, the one
-batch of them with a flagged request, where it still trails vLLM's chain by 19-20 %: that chain
-runs on the whole step besides shardmax's kernels), and by -15 % / +1 % at 512 rows, where four
-requests are flagged on every step; so the plug-in folds top-p steps of at most
-``TOPP_FOLD_MAX_ROWS`` rows (:func:`shardmax.integrations.vllm.step.uses_device_fallback`). The
+level-histogram top-p (T = 1, top-p 0.95, ``engine_topp_fold``, two runs) it beat the host read
+and per-request resolution by 11-49 % in tokens/s at 4-256 rows but trailed vLLM's chain by
+19-20 % at 96 rows (one of 24 requests flagged on every step) and the host read at 512 rows
+(four of 128), while its body ran vLLM's chain on the whole step.
+
+**The compact body.** A flagged step rarely needs the whole step re-verified: its body first
+picks the flagged requests on the device (``resolve_select``: the first ``capacity`` of them
+in step order, :func:`default_capacity` -- about twice what realistic top-p traffic flags),
+copies their logits rows into a padded sub-batch (``table_copy`` entries the same kernel
+writes) and runs vLLM's chain on that sub-batch with the whole step's host decisions
+(:func:`~shardmax.integrations.vllm.resolution.sub_chain`, exactly as
+:class:`~shardmax.integrations.vllm.resolution.CapturedResolution` does after a host read);
+only when more requests are flagged than the capacity holds does a nested IF node
+(:class:`~shardmax.runtime.conditional.Branch`) run vLLM's chain on the whole step, whose
+answers then replace every request's. Measured (H200, ``engine_compact``, T = 1 / top-p
+0.95): the fold's GPU time at 96 rows 592 us against 927 with the whole-step body (H100) and
+vLLM's 569, level with vLLM in tokens/s (-1.7 %); at 512 rows +57 % over the host read and
++20 % over vLLM's chain; so the plug-in folds level-histogram top-p steps of every size
+(:func:`shardmax.integrations.vllm.step.uses_device_fallback`). The
 graphs of one fallback share a :class:`~shardmax.runtime.pools.GraphPool`, which stays valid as
 signatures come and go (and keeps what released graphs freed reserved for later captures). As
 in :mod:`shardmax.runtime.graphs`, a table is rewritten only once the GPU has acknowledged its

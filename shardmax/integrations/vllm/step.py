@@ -38,7 +38,6 @@ __all__ = [
     "ENV_TOPP",
     "NUCLEUS_ROUTING",
     "SAMPLED_MODES",
-    "TOPP_FOLD_MAX_ROWS",
     "TOPP_PATHS",
     "SampledResult",
     "apply_head",
@@ -560,35 +559,29 @@ def resolver() -> Any:
     return _RESOLVER[0]
 
 
-TOPP_FOLD_MAX_ROWS = 256
-"""The largest level-histogram top-p step (logits rows) whose flags the device fallback decides
-(:func:`device_fallback`); larger top-p steps read the flags and resolve the flagged requests
-one by one. The fallback's body is vLLM's chain on the whole step, so the fold pays off where the
-host read's stall costs more than that chain on the steps that need it. Measured in the engine
-loop (H100, V = 200064 bf16, K = 3, ``benchmarks/results/sm90/engine_topp_fold`` and its
-``rerun_11ba873``; realistic T = 1 / top-p 0.95 traffic, one batch per row count replayed, so a
-flagged request is flagged on every step), the fold against the host read in tokens/s: at 96
-rows (1 of 24 requests flagged) +48.7 / +44.4 %; at 4, 32 and 256 rows (nothing flagged, the
-fold's body never runs) +11 to +19 %; at 512 rows (4 of 128 flagged) -15.2 / +0.8 %. So the
-limit sits where the fold is no longer measured ahead; a flagged 256-row step was not measured.
-"""
-
-
-def uses_device_fallback(tp: int, nucleus: bool, histogram: bool, rows: int) -> bool:
+def uses_device_fallback(tp: int, nucleus: bool, histogram: bool) -> bool:
     """Whether a sampled step's flags go to the device fallback (:func:`device_fallback`)
     rather than the host read: at TP 1 (its chain needs the full logits), temperature steps
-    (``nucleus`` False) and level-histogram top-p steps (``histogram``) of at most
-    :data:`TOPP_FOLD_MAX_ROWS` logits rows; never the candidate path's top-k / top-p steps,
-    which flag a request on most steps (18-26 %, ``benchmarks/results/sm90/FLAGS.md``), each of
-    which would run vLLM's whole chain."""
-    return tp == 1 and (not nucleus or (histogram and rows <= TOPP_FOLD_MAX_ROWS))
+    (``nucleus`` False) and level-histogram top-p steps (``histogram``) of any size the
+    fallback's buckets hold (vLLM's chunk); never the candidate path's top-k / top-p steps,
+    which flag a request on most steps (18-26 %, ``benchmarks/results/sm90/FLAGS.md``).
+
+    Level-histogram top-p steps of every size since the fallback's body resolves the flagged
+    requests on a padded sub-batch (:func:`~shardmax.integrations.vllm.fallback.
+    default_capacity`) rather than running vLLM's chain on the whole step: in the engine loop
+    (H200, V = 200064 bf16, K = 3, realistic T = 1 / top-p 0.95 traffic, one batch per row
+    count replayed, ``benchmarks/results/sm90/engine_compact``) the fold against the host read
+    and per-request resolution it replaced above 256 rows: +57 % tokens/s at 512 rows (4 of 128
+    requests flagged on every step), +20 % against vLLM's chain there."""
+    return tp == 1 and (not nucleus or histogram)
 
 
 def device_fallback(device: torch.device) -> Any:
     """The device-decided fallback of the steps :func:`uses_device_fallback` picks (TP 1:
-    temperature steps, level-histogram top-p steps of at most :data:`TOPP_FOLD_MAX_ROWS` rows)
-    (:class:`shardmax.integrations.vllm.fallback.DeviceFallback`: vLLM's chain on the whole step,
-    run by the device only when the step flagged a request; no host read of the flags), or
+    temperature steps, level-histogram top-p steps)
+    (:class:`shardmax.integrations.vllm.fallback.DeviceFallback`: vLLM's chain on the step's
+    flagged requests -- on the whole step past its capacity --, run by the device only when the
+    step flagged a request; no host read of the flags), or
     None: no resolver (:func:`resolver`), not a CUDA device (unless ``emulate``),
     ``$SHARDMAX_VLLM_GRAPHS=0``, conditional graphs unavailable here (the reason logged once), or
     ``$SHARDMAX_VLLM_DEVICE_FALLBACK=0``. Made once per process; only TP 1 calls it (the chain
@@ -597,7 +590,8 @@ def device_fallback(device: torch.device) -> Any:
     engine loop on an H100, == vLLM on every request: at T = 1 its step gets 17-24 % more
     tokens/s than the host read it replaces and 1.7-15.5 % more than vLLM's chain
     (``benchmarks/results/sm90/engine_fold``); at top-p 0.95, 11-49 % more than the host read
-    and per-request resolution at 4-256 rows (:data:`TOPP_FOLD_MAX_ROWS`). Its cost is GPU
+    and per-request resolution at 4-256 rows, 57 % more at 512 (H200, its compact body:
+    ``benchmarks/results/sm90/engine_compact``). Its cost is GPU
     memory held for the process's life (its graphs' shared pool keeps what they freed
     reserved): a static copy of the largest bucket's logits (1.5-196 MiB at 4-512 rows of
     V = 200064 bf16, ``benchmarks/results/sm90/fallback_memory``, T = 1) and vLLM's chain's
@@ -756,7 +750,7 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     )  # fmt: skip
     if nucleus:
         counters.bump("topp_histogram_steps" if topp is not None else "nucleus_candidate_steps")
-    folds = uses_device_fallback(shard.geometry.tp, nucleus, topp is not None, rows)
+    folds = uses_device_fallback(shard.geometry.tp, nucleus, topp is not None)
     fallback = device_fallback(local_logits.device) if folds else None
     if fallback is None:
         res = _run(shard, plan, local_logits, batch)
