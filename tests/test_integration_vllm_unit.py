@@ -854,6 +854,40 @@ def test_nucleus_routing(monkeypatch, value, top_k, min_p, dtype, routed):
         step.nucleus_routing(runner, batch)
 
 
+@pytest.mark.parametrize(
+    ("sampled", "top_k", "dtype", "fold", "resolver", "topp", "routed"),
+    [(None, 100, torch.bfloat16, True, True, None, True),
+     ("auto", 100, torch.float16, True, True, None, True),
+     (None, 100, torch.bfloat16, False, True, None, False),  # no device fallback (CPU, ...)
+     (None, 100, torch.bfloat16, True, False, None, False),  # no resolver
+     (None, 20, torch.bfloat16, True, True, None, False),  # top-k too: the candidate path
+     (None, 100, torch.float32, True, True, None, False),
+     (None, 100, torch.bfloat16, True, True, "candidates", False),
+     ("1", 100, torch.bfloat16, True, True, None, False),  # sampled_routing's already
+     ("0", 100, torch.bfloat16, True, True, None, False)],
+)  # fmt: skip
+def test_topp_fold_routing_at_tp1(monkeypatch, sampled, top_k, dtype, fold, resolver, topp,
+                                  routed):  # fmt: skip
+    """``auto`` takes a TP-1 step when its only truncation is top-p, the model is bf16 / fp16,
+    the level-histogram path is on and the folded device fallback decides its flags (no host
+    read); never otherwise (CPU engines: no fallback)."""
+    from shardmax.integrations.vllm import step
+
+    for name, value in ((step.ENV_SAMPLED, sampled), (step.ENV_TOPP, topp)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.delenv(step.ENV_NUCLEUS, raising=False)
+    monkeypatch.setattr(step, "resolver", lambda: object() if resolver else None)
+    monkeypatch.setattr(step, "device_fallback", lambda device: object() if fold else None)
+    runner, batch = _topp_runner(top_k, 0.0, 0.9, dtype)
+    assert step.topp_fold_routing(runner, batch, torch.device("cpu")) is routed
+    runner, batch = _topp_runner(100, 0.0, 1.0, dtype)
+    batch.idx_mapping_np = batch.idx_mapping_np[:1]  # no top-p in the step: never
+    assert step.topp_fold_routing(runner, batch, torch.device("cpu")) is False
+
+
 def test_sampled_routing_rejects_other_values(monkeypatch):
     from shardmax.integrations.vllm import step
 

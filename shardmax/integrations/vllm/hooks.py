@@ -230,8 +230,10 @@ def maybe_verify_sharded(
     * All requests greedy and :func:`~shardmax.integrations.vllm.gate.step_decision` allows it:
       :func:`~shardmax.integrations.vllm.step.verify_greedy` (counter ``sharded_verify``).
     * Some request sampled (temperature > 0), sampled routing on at this TP size
-      (:func:`~shardmax.integrations.vllm.step.sampled_routing`: by default at TP > 1 only --
-      at TP 1 there is nothing to gather and vLLM's chain is faster) and
+      (:func:`~shardmax.integrations.vllm.step.sampled_routing`: by default at TP > 1, and at
+      TP 1 top-p steps whose flags the folded device fallback decides,
+      :func:`~shardmax.integrations.vllm.step.topp_fold_routing` -- other TP-1 sampled steps
+      have nothing to gather and vLLM's chain is as fast) and
       ``step_decision(allow_temperature=True, allow_nucleus=<nucleus_routing(runner,
       input_batch) and a resolver loads>)`` allows it (temperature rows; with
       ``SHARDMAX_VLLM_NUCLEUS=auto``, the default, also the top-p rows of a bf16 / fp16 step
@@ -267,10 +269,12 @@ def maybe_verify_sharded(
     if getattr(input_batch, "num_reqs", 0) > 0 and not _all_greedy(runner, input_batch):
         group = step.tp_group()
         tp = 1 if group is None else int(group.world_size)
-        if not step.sampled_routing(tp):
+        if not step.sampled_routing(tp) and not (
+            tp == 1 and step.topp_fold_routing(runner, input_batch, hidden_states.device)
+        ):
             reason = (
-                f"sampled step at TP {tp}: nothing to gather, vLLM's own chain is faster "
-                f"({step.ENV_SAMPLED}=1 shards it anyway)"
+                f"sampled step at TP {tp} without top-p on the device fallback: nothing to "
+                f"gather, vLLM's own chain is as fast ({step.ENV_SAMPLED}=1 shards it anyway)"
                 if tp == 1
                 else f"sampled steps off ({step.ENV_SAMPLED}=0)"
             )

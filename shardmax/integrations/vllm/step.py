@@ -55,6 +55,7 @@ __all__ = [
     "sampled_routing",
     "sampler_output",
     "shard_geometry",
+    "topp_fold_routing",
     "topp_only",
     "topp_path",
     "topp_pipeline",
@@ -504,24 +505,51 @@ SAMPLED_ROUTING = ("auto", "1", "0")
 
 def sampled_routing(tp: int) -> bool:
     """Whether sampled steps (temperature > 0) take the sharded path at TP size ``tp``:
-    ``$SHARDMAX_VLLM_SAMPLED`` = ``auto`` (default: at TP > 1 only), ``1`` (also at TP 1) or
-    ``0`` (never). ``auto`` by measured cost: at TP 1 there is no all-gather to save, and in the
+    ``$SHARDMAX_VLLM_SAMPLED`` = ``auto`` (default: at TP > 1, and at TP 1 the top-p steps
+    :func:`topp_fold_routing` picks), ``1`` (every sampled step, also at TP 1) or ``0``
+    (never). ``auto`` by measured cost: at TP 1 there is no all-gather to save, and in the
     engine loop on one H200 (``benchmarks/results/sm90/ENGINE.md``, V = 200064, T = 1, 4-512
     rows) the plug-in's sampled call -- with its one host read of the flags, a sync -- gave
     6.9-8.4 % fewer tokens/s than vLLM's own chain (10-14 %, 7-19 %, 13-22 %, 8-22 % and 10-15 %
     in earlier runs); greedy steps stay sharded at every TP (faster there). With the device
-    fallback folded into the replayed step (no host read; H100 runs of 2026-12-05,
-    ``benchmarks/results/sm90/engine_fold_launch`` and ``engine_final_912c829``) the TP-1 call
-    is level with vLLM's chain at T = 1 (-1.4 to +1.0 % in two runs, +0.6 to +9.8 % in a third
-    on a slow host), ahead on top-p steps that flag nothing (+15 to +94 % at 4 / 32 / 256 rows)
-    and behind where a request is flagged on every step (-13 to -24 % at 96 / 512 rows): no
-    clear gain at TP 1, so ``auto`` still leaves those steps to vLLM.
+    fallback folded into the replayed step (no host read; ``engine_fold_launch``,
+    ``engine_final_912c829``, ``engine_compact``) the TP-1 call is level with vLLM's chain at
+    T = 1 (-1.4 to +1.0 %, -1.0 to +0.6 % in the latest run: both run the same work there, the
+    fold's 10-11 us of GPU time the difference), so ``auto`` leaves temperature-only TP-1 steps
+    to vLLM; top-p steps are :func:`topp_fold_routing`'s.
 
     Raises:
         ValueError: any other value (named, with the accepted ones).
     """
     raw = _routing_env(ENV_SAMPLED, "auto", SAMPLED_ROUTING)
     return raw == "1" or (raw == "auto" and tp > 1)
+
+
+def topp_fold_routing(runner: Any, input_batch: Any, device: torch.device) -> bool:
+    """Whether ``auto`` sampled routing (:func:`sampled_routing`) takes a TP-1 step anyway: a
+    step whose only truncation is top-p (:func:`topp_only`) of a bf16 / fp16 model, routed to
+    the level-histogram path (:func:`nucleus_routing`, :func:`topp_path`), whose flags the
+    folded device fallback decides on ``device`` (:func:`device_fallback`: CUDA with conditional
+    graphs, graph replay on; no host read) -- the traffic of a model's defaults (T = 1,
+    top-p 0.95). Measured in the engine loop (V = 200064 bf16, K = 3, realistic traffic, one
+    batch per row count, ``benchmarks/results/sm90/engine_compact``), tokens/s against vLLM's
+    chain at 4 / 32 / 96 / 256 / 512 rows: H100 (2346626) +17.9 / +18.5 / -0.6 / +44.7 /
+    +23.5 %; H200 (efb9dd5, top-p alone) -1.9 / +14.9 / -1.7 / +41.3 / +20.3 % -- level at 4 and
+    96 rows (where vLLM's split top-p pipeline is fast, and where one request of 24 is flagged
+    on every step and vLLM's monolithic top-p kernel resolves it), ahead elsewhere; every
+    request == vLLM's. False for other values of ``$SHARDMAX_VLLM_SAMPLED`` (``1`` routes every
+    sampled step, ``0`` none) and wherever the fold is unavailable (the host read would stall
+    the engine: slower than vLLM's chain at TP 1)."""
+    if _routing_env(ENV_SAMPLED, "auto", SAMPLED_ROUTING) != "auto":
+        return False
+    if topp_path() != "histogram" or not nucleus_routing(runner, input_batch):
+        return False
+    dtype = getattr(runner, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        dtype = getattr(getattr(runner, "model_config", None), "dtype", None)
+    if dtype not in (torch.bfloat16, torch.float16) or not topp_only(runner, input_batch):
+        return False
+    return resolver() is not None and device_fallback(device) is not None
 
 
 def resolver() -> Any:
