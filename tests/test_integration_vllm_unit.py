@@ -819,7 +819,7 @@ def _topp_runner(top_k: int, min_p: float, top_p: float, dtype: torch.dtype):
         min_p=NS(np=np.array([0.0, min_p, 0.0])),
     )
     runner = NS(rejection_sampler=NS(sampler=NS(sampling_states=st)), dtype=dtype)
-    return runner, NS(idx_mapping_np=np.array([1, 2]))
+    return runner, NS(idx_mapping_np=np.array([1, 2]), cu_num_logits_np=np.array([0, 4, 8]))
 
 
 @pytest.mark.parametrize(
@@ -869,9 +869,12 @@ def test_nucleus_routing(monkeypatch, value, top_k, min_p, dtype, routed):
 def test_topp_fold_routing_at_tp1(monkeypatch, sampled, top_k, dtype, fold, resolver, topp,
                                   routed):  # fmt: skip
     """``auto`` takes a TP-1 step when its only truncation is top-p, the model is bf16 / fp16,
-    the level-histogram path is on and the folded device fallback decides its flags (no host
-    read); never otherwise (CPU engines: no fallback)."""
+    the level-histogram path is on, the step fits one vLLM chunk and the folded device fallback
+    decides its flags (no host read); never otherwise (CPU engines: no fallback)."""
+    import numpy as np
+
     from shardmax.integrations.vllm import step
+    from shardmax.ops.sampled import max_chunk_rows
 
     for name, value in ((step.ENV_SAMPLED, sampled), (step.ENV_TOPP, topp)):
         if value is None:
@@ -885,6 +888,9 @@ def test_topp_fold_routing_at_tp1(monkeypatch, sampled, top_k, dtype, fold, reso
     assert step.topp_fold_routing(runner, batch, torch.device("cpu")) is routed
     runner, batch = _topp_runner(100, 0.0, 1.0, dtype)
     batch.idx_mapping_np = batch.idx_mapping_np[:1]  # no top-p in the step: never
+    assert step.topp_fold_routing(runner, batch, torch.device("cpu")) is False
+    runner, batch = _topp_runner(top_k, 0.0, 0.9, dtype)
+    batch.cu_num_logits_np = np.array([0, 4, 4 + max_chunk_rows(100)])  # more than one chunk
     assert step.topp_fold_routing(runner, batch, torch.device("cpu")) is False
 
 

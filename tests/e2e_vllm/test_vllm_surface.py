@@ -551,6 +551,42 @@ def test_top_p_only_steps_are_routed_with_auto_on_bf16(vllm_config, monkeypatch,
     assert smv.stats()["native_verify"] == 1, smv.stats()
 
 
+@pytest.mark.parametrize("fallback", ["emulate", "none"])
+def test_top_p_steps_at_tp1_are_sharded_by_default_with_the_fold(
+    vllm_config, monkeypatch, fallback
+):
+    """``SHARDMAX_VLLM_SAMPLED`` unset (``auto``) at TP 1: a bf16 step whose only truncation is
+    top-p takes the level-histogram path when the folded device fallback decides its flags
+    (``step.topp_fold_routing``; here emulated: its tables and vLLM's chain run eagerly, the
+    predicates read on the host), == vLLM's own ``sample``; without a fallback (a CPU engine)
+    it stays on vLLM's path with the TP-1 reason."""
+    monkeypatch.delenv(step.ENV_SAMPLED)
+    monkeypatch.delenv(step.ENV_NUCLEUS, raising=False)
+    monkeypatch.setattr(step, "_FALLBACK", [])
+    if fallback == "emulate":
+        monkeypatch.setenv(step.ENV_DEVICE_FALLBACK, "emulate")
+    else:
+        monkeypatch.delenv(step.ENV_DEVICE_FALLBACK, raising=False)
+    params = [
+        SamplingParams(seed=3000 + i, max_tokens=16, **kw) for i, kw in enumerate(_TOPP_PARAMS)
+    ]
+    s = Step(vllm_config, params=params, seed=9)
+    s.runner.dtype = torch.bfloat16
+    s.model.weight = s.model.weight.to(torch.bfloat16)
+    s.hidden = s.hidden.to(torch.bfloat16)
+    with _interpreter_loop_tensors_or_null():
+        native = s.native()
+        ours = s.plugin()
+    st = smv.stats()
+    if fallback == "none":
+        assert st["native_verify"] == 1 and st["sharded_sampled_verify"] == 0, st
+        assert any("sampled step at TP 1" in r for r in st["fallbacks"]), st["fallbacks"]
+        return
+    assert st["topp_histogram_steps"] == 1 and st["sharded_sampled_verify"] == 1, st
+    assert st["native_verify"] == 0, st
+    assert not _same(native, ours)
+
+
 @pytest.mark.parametrize("env", ["default", "resolve-off"])
 def test_top_p_steps_stay_on_vllms_path_unless_routed(vllm_config, monkeypatch, env):
     """By default (``SHARDMAX_VLLM_NUCLEUS`` unset: ``auto``, top-p-only steps) a step with top-k

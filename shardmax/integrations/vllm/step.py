@@ -538,8 +538,9 @@ def topp_fold_routing(runner: Any, input_batch: Any, device: torch.device) -> bo
     96 rows (where vLLM's split top-p pipeline is fast, and where one request of 24 is flagged
     on every step and vLLM's monolithic top-p kernel resolves it), ahead elsewhere; every
     request == vLLM's. False for other values of ``$SHARDMAX_VLLM_SAMPLED`` (``1`` routes every
-    sampled step, ``0`` none) and wherever the fold is unavailable (the host read would stall
-    the engine: slower than vLLM's chain at TP 1)."""
+    sampled step, ``0`` none), for steps of more logits rows than one vLLM chunk (the candidate
+    path's) and wherever the fold is unavailable (the host read would stall the engine: slower
+    than vLLM's chain at TP 1)."""
     if _routing_env(ENV_SAMPLED, "auto", SAMPLED_ROUTING) != "auto":
         return False
     if topp_path() != "histogram" or not nucleus_routing(runner, input_batch):
@@ -548,6 +549,13 @@ def topp_fold_routing(runner: Any, input_batch: Any, device: torch.device) -> bo
     if not isinstance(dtype, torch.dtype):
         dtype = getattr(getattr(runner, "model_config", None), "dtype", None)
     if dtype not in (torch.bfloat16, torch.float16) or not topp_only(runner, input_batch):
+        return False
+    from shardmax.ops.sampled import max_chunk_rows
+
+    # one vLLM chunk (the histogram plan's limit: larger steps take the candidate path)
+    rows = int(input_batch.cu_num_logits_np[-1])
+    vocab = int(runner.rejection_sampler.sampler.sampling_states.vocab_size)
+    if rows > max_chunk_rows(vocab):
         return False
     return resolver() is not None and device_fallback(device) is not None
 
