@@ -759,9 +759,11 @@ def plot(csv_path: Path, png_path: Path) -> None:
 def plugin_path(mix: str, rows: int, tp: int, paths: set[str]) -> str | None:
     """The loop's path that is the plug-in's call for a step of ``mix`` and ``rows`` logits rows
     at TP ``tp`` (:func:`shardmax.integrations.vllm.step.verify_sampled`'s routing, its
-    defaults on CUDA, and at TP 1 ``SHARDMAX_VLLM_SAMPLED=1`` for sampled steps -- by default,
-    :func:`~shardmax.integrations.vllm.step.sampled_routing`, the plug-in leaves TP-1 sampled
-    steps to vLLM's own chain, the loop's ``vllm`` path): greedy steps replay (``shardmax``);
+    defaults on CUDA -- top-p steps at TP 1 included,
+    :func:`~shardmax.integrations.vllm.step.topp_fold_routing` -- and at TP 1
+    ``SHARDMAX_VLLM_SAMPLED=1`` for temperature steps, which by default,
+    :func:`~shardmax.integrations.vllm.step.sampled_routing`, the plug-in leaves to vLLM's own
+    chain, the loop's ``vllm`` path): greedy steps replay (``shardmax``);
     sampled steps at TP 1 run the folded device fallback (top-p: behind the level-histogram
     plan), else (TP > 1) the host read and per-request resolution (top-p: behind the histogram
     plan). None where the
@@ -824,9 +826,10 @@ def summary(results: list[dict[str, Any]]) -> str:
             )
         lines.append("")
     lines += ["## Targets (issue 19): the plug-in's call", ""]
-    lines.append("The path the plug-in takes for each row count (`plugin_path`; sampled steps "
-                 "at TP 1 with `SHARDMAX_VLLM_SAMPLED=1`: its default there, `auto`, leaves them "
-                 "to vLLM's own chain), against the targets and vLLM's chain:")  # fmt: skip
+    lines.append("The path the plug-in takes for each row count (`plugin_path`; temperature "
+                 "steps at TP 1 with `SHARDMAX_VLLM_SAMPLED=1`: its default there, `auto`, leaves "
+                 "them to vLLM's own chain; top-p steps at TP 1 are its default's, "
+                 "`step.topp_fold_routing`), against the targets and vLLM's chain:")  # fmt: skip
     lines.append("")
     for mix, rows in dict.fromkeys((k[0], k[1]) for k in by):
         path = plugin_path(mix, int(rows), tp, {k[2] for k in by if k[:2] == (mix, rows)})

@@ -533,8 +533,8 @@ def topp_fold_routing(runner: Any, input_batch: Any, device: torch.device) -> bo
     graphs, graph replay on; no host read) -- the traffic of a model's defaults (T = 1,
     top-p 0.95). Measured in the engine loop (V = 200064 bf16, K = 3, realistic traffic, one
     batch per row count, ``benchmarks/results/sm90/engine_compact``), tokens/s against vLLM's
-    chain at 4 / 32 / 96 / 256 / 512 rows: H100 (2346626) +17.9 / +18.5 / -0.6 / +44.7 /
-    +23.5 %; H200 (efb9dd5, top-p alone) -1.9 / +14.9 / -1.7 / +41.3 / +20.3 % -- level at 4 and
+    chain at 4 / 32 / 96 / 256 / 512 rows: H100 (2346626) +18.0 / +18.5 / -0.6 / +44.7 /
+    +23.5 %; H200 (efb9dd5, top-p alone) -2.0 / +14.9 / -1.7 / +41.3 / +20.3 % -- level at 4 and
     96 rows (where vLLM's split top-p pipeline is fast, and where one request of 24 is flagged
     on every step and vLLM's monolithic top-p kernel resolves it), ahead elsewhere; every
     request == vLLM's. False for other values of ``$SHARDMAX_VLLM_SAMPLED`` (``1`` routes every
