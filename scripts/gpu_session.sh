@@ -67,6 +67,8 @@
 #   bash scripts/gpu_session.sh TH  one H200: the top-p histogram GPU tests, then the engine loop
 #                                   on top-p traffic
 #   bash scripts/gpu_session.sh EN  one H200: the engine-faithful loop alone (MIXES=...)
+#   bash scripts/gpu_session.sh PR  one H200: host profiles of the engine loop's paths (MIXES,
+#                                   ROWS) into $OUT/profile.log
 #   bash scripts/gpu_session.sh CR  one H200: the compact resolution of a flagged step's body
 #                                   (nested conditional graphs, resolve_select, the fallback's
 #                                   GPU tests); then stage EN with MIXES=top_p
@@ -855,6 +857,17 @@ CR)
       "$OUT/fallback_CR.log" | tail -24
   fi
   [ "${ENGINE:-1}" = 0 ] || engine_loop CR 570 "${MIXES:-top_p}"
+  ;;
+PR)
+  # host profiles (cProfile, 300 calls each) of the engine loop's paths (MIXES, default
+  # greedy,top_p; ROWS, default 32,512), then their short timed loop, into $OUT/profile.log
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "engine loop host profiles"
+  timeout "$(left 560)" python3 -m benchmarks.engine --mixes "${MIXES:-greedy,top_p}" \
+    --rows "${ROWS:-32,512}" --steps 20 --rounds 2 --profile --out "$OUT/profile" \
+    >"$OUT/profile.log" 2>&1
+  echo "  rc=$?"; grep -E "host profile|Error" "$OUT/profile.log" | head -20
+  rm -rf "$OUT/profile"
   ;;
 EN)
   # the engine-faithful loop alone (MIXES: its traffic mixes, default every one), into
