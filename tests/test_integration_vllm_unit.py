@@ -892,6 +892,9 @@ def test_topp_fold_routing_at_tp1(monkeypatch, sampled, top_k, dtype, fold, reso
     runner, batch = _topp_runner(top_k, 0.0, 0.9, dtype)
     batch.cu_num_logits_np = np.array([0, 4, 4 + max_chunk_rows(100)])  # more than one chunk
     assert step.topp_fold_routing(runner, batch, torch.device("cpu")) is False
+    runner, batch = _topp_runner(top_k, 0.0, 0.9, dtype)
+    runner.rejection_sampler.synthetic_conditional_rates = torch.ones(4)  # the fold refuses it
+    assert step.topp_fold_routing(runner, batch, torch.device("cpu")) is False
 
 
 def test_sampled_routing_rejects_other_values(monkeypatch):

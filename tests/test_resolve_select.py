@@ -45,22 +45,25 @@ def _model(flags, sizes, cap, k1, answered):
     return sel, sub_cu, rows, taken if answered else 0, len(flagged) > cap
 
 
-def _run(flags, sizes, cap, k1, answered=True, block_r=None):
+def _run(flags, sizes, cap, k1, answered=True, block_r=None, wide=False):
+    """The kernel on one case; ``wide``: the step's index tensors int64 (the outputs keep their
+    dtypes: every store casts)."""
     n, m = len(flags), int(sum(sizes))
     gen = np.random.default_rng(n * 31 + cap)
+    i32 = torch.int64 if wide else torch.int32
     table = torch.zeros(fb._WORDS, dtype=torch.int64)
     table[fb._NUM_REQS] = n
     table[fb._APPLY] = n if answered else 0
     table[fb._APPLY + 1 : fb._APPLY + 6] = torch.tensor(OUTS)
     table[fb._BODY] = ADDR_LOGITS
     step = {
-        "cu": torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int32),
-        "draft": torch.tensor(gen.integers(0, 1000, m), dtype=torch.int32),
+        "cu": torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=i32),
+        "draft": torch.tensor(gen.integers(0, 1000, m), dtype=i32),
         "pos": torch.tensor(gen.integers(0, 10**6, m), dtype=torch.int64),
-        "eim": torch.tensor(gen.integers(0, 64, m), dtype=torch.int32),
-        "elp": torch.tensor(gen.integers(0, 8, m), dtype=torch.int32),
-        "idx": torch.tensor(gen.permutation(max(64, n))[:n], dtype=torch.int32),
-        "seq": torch.tensor(gen.integers(1, 5000, n), dtype=torch.int32),
+        "eim": torch.tensor(gen.integers(0, 64, m), dtype=i32),
+        "elp": torch.tensor(gen.integers(0, 8, m), dtype=i32),
+        "idx": torch.tensor(gen.permutation(max(64, n))[:n], dtype=i32),
+        "seq": torch.tensor(gen.integers(1, 5000, n), dtype=i32),
     }
     rows = cap * k1
     out = {
@@ -102,6 +105,8 @@ CASES = [
     ([1] * 7, [2, 1, 4, 4, 3, 4, 1], 8, 4),  # every request, a capacity above the step's
     ([0, 0, 1, 0, 0, 0, 1, 0, 1], [1] * 9, 4, 1),  # K = 0
     ([0] * 40 + [1] + [0] * 30 + [1, 1] + [0] * 29, [6] * 102, 4, 6),  # K = 5, flags far apart
+    ([0, 0, 1, 0, 1, 0, 0, 0], [4, 4, 3, 4, 2, 4, 4, 4], 1, 4),  # capacity 1 (buckets of 2-16)
+    ([0, 0, 0, 1, 0, 0, 0, 0], [4, 4, 3, 2, 2, 4, 4, 4], 1, 4),
 ]
 
 
@@ -109,8 +114,9 @@ CASES = [
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_resolve_select_matches_the_resolution_layout(case: int, answered: bool) -> None:
     flags, sizes, cap, k1 = CASES[case]
-    for block_r in (None, 4):  # one scan block, and flags over many (a 4-lane scan)
-        step, out = _run(flags, sizes, cap, k1, answered, block_r)
+    # one scan block, flags over many (a 4-lane scan), the step's indices int64
+    for block_r, wide in ((None, False), (4, False), (None, True)):
+        step, out = _run(flags, sizes, cap, k1, answered, block_r, wide)
         sel, sub_cu, rows, n_apply, over = _model(flags, sizes, cap, k1, answered)
         assert out["req_sel"].tolist() == sel, (case, block_r)
         assert out["cu"].tolist() == sub_cu.tolist()

@@ -585,6 +585,15 @@ def test_top_p_steps_at_tp1_are_sharded_by_default_with_the_fold(
     assert st["topp_histogram_steps"] == 1 and st["sharded_sampled_verify"] == 1, st
     assert st["native_verify"] == 0, st
     assert not _same(native, ours)
+    # the same signature again: its first step read the flags on the host, the next ones are
+    # the device fallback's (emulated here: the eager second call; on CUDA folded into the
+    # replayed graph), still == vLLM's sample
+    for _ in range(2):
+        with _interpreter_loop_tensors_or_null():
+            assert not _same(native, s.plugin())
+    st = smv.stats()
+    assert st["device_fallback_host_reads"] == 1 and st["device_fallback_steps"] == 2, st
+    assert st["sharded_sampled_verify"] == 3 and st["native_verify"] == 0, st
 
 
 @pytest.mark.parametrize("env", ["default", "resolve-off"])

@@ -539,10 +539,19 @@ def topp_fold_routing(runner: Any, input_batch: Any, device: torch.device) -> bo
     on every step and vLLM's monolithic top-p kernel resolves it), ahead elsewhere; every
     request == vLLM's. False for other values of ``$SHARDMAX_VLLM_SAMPLED`` (``1`` routes every
     sampled step, ``0`` none), for steps of more logits rows than one vLLM chunk (the candidate
-    path's) and wherever the fold is unavailable (the host read would stall the engine: slower
-    than vLLM's chain at TP 1)."""
+    path's), for vLLM's synthetic rejection method (the fold refuses it) and wherever the fold
+    is unavailable (the host read would stall the engine: slower than vLLM's chain at TP 1).
+
+    Not measured: serving traffic whose batch size changes from step to step. A top-p step's
+    replayed graph and its fold are captured per exact batch shape (the level-histogram plan's
+    signature; vLLM picks its top-p pipeline by the row count) on a shape's second step -- its
+    first step reads the flags on the host -- and the fallback keeps
+    :data:`~shardmax.integrations.vllm.fallback.MAX_GRAPHS` shapes: the engine loop's numbers
+    above replay one batch per row count."""
     if _routing_env(ENV_SAMPLED, "auto", SAMPLED_ROUTING) != "auto":
         return False
+    if getattr(runner.rejection_sampler, "synthetic_conditional_rates", None) is not None:
+        return False  # the fold refuses synthetic steps (DeviceFallback.fold): a host read
     if topp_path() != "histogram" or not nucleus_routing(runner, input_batch):
         return False
     dtype = getattr(runner, "dtype", None)
@@ -630,9 +639,12 @@ def device_fallback(device: torch.device) -> Any:
     ``benchmarks/results/sm90/engine_compact``). Its cost is GPU
     memory held for the process's life (its graphs' shared pool keeps what they freed
     reserved): a static copy of the largest bucket's logits (1.5-196 MiB at 4-512 rows of
-    V = 200064 bf16, ``benchmarks/results/sm90/fallback_memory``, T = 1) and vLLM's chain's
-    temporaries in the graphs' pool where its gates make any (temperatures other than 1, top-k,
-    top-p, min-p; the top-p steps' not measured). ``emulate`` (tests, CPU engines): the same
+    V = 200064 bf16, ``benchmarks/results/sm90/fallback_memory``, T = 1), per bucket with a
+    capacity its padded sub-batch of flagged requests' logits (``capacity * (K + 1)`` rows: 12.8
+    MB at capacity 8, K = 3, V = 200064 bf16; one per bucket, up to
+    :data:`~shardmax.integrations.vllm.fallback.MAX_GRAPHS` buckets; not measured), and vLLM's
+    chain's temporaries in the graphs' pool where its gates make any (temperatures other than
+    1, top-k, top-p, min-p; the top-p steps' not measured). ``emulate`` (tests, CPU engines): the same
     tables and kernels run eagerly, the predicate read on the host (a sync, so no speed to
     gain), so that a CPU engine exercises the fallback's signatures and answers.
 
