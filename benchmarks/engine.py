@@ -64,6 +64,13 @@ run of the path made a host sync (:func:`shardmax.testing.syncs.host_syncs`: tor
 mode and the event / stream waits it does not report). Targets of issue
 19 are evaluated from these numbers only. Needs a GPU.
 
+``--churn N``: a serving engine's batch changes from step to step as requests arrive and
+finish. With it each row count's paths cycle through N batch shapes, one per call (its request
+count and the N - 1 below it, each a realistic batch of its own; every shardmax path keeps one
+VocabShard for all of them, as the plug-in's runner does), so what a path does per new shape --
+a first sighting's host read, a capture, an eviction past its graphs' limit -- is timed in the
+loop. The checks against vLLM run on the first shape.
+
 At ``--tp N`` (N GPUs; one process each, NCCL) every rank runs the same loop with the same
 fixed step counts on its vLLM-layout shard of the same logits (each step built on the host, so
 every rank holds the same bits; a rank that fails prints its traceback and exits, and the run
@@ -76,7 +83,7 @@ reported (the collectives keep the ranks in step), no path is captured whole.
 
     python -m benchmarks.engine [--rows 4,32,96,256,512] [--vocab 200064] [--steps 200]
         [--mixes greedy,temperature,top_p] [--forward-us 1000] [--lookahead 2] [--rounds 5]
-        [--tp 1] [--out benchmarks/results/<arch>]
+        [--tp 1] [--churn 0] [--out benchmarks/results/<arch>]
 """
 
 from __future__ import annotations
@@ -168,6 +175,7 @@ def _shardmax_step(
     rank: RankShard | None = None,
     device: Any = None,
     fold: bool = False,
+    shard: Any = None,
 ) -> Callable[[], Any]:
     """The plug-in's verification call on one rank (TP 1: the shard is the whole vocabulary;
     ``rank``: this rank's shard of ``traffic.logits`` and its group): the step's host checks,
@@ -179,7 +187,9 @@ def _shardmax_step(
     the host read and ``resolve`` only on the steps it returns False for; ``fold``: the
     fallback first offered to the replayed run as its epilogue (``DeviceFallback.fold``: inside
     the step's own graph, as the plug-in calls it), the second call only where the step did
-    not replay from a slot. Returns the result."""
+    not replay from a slot; ``shard``: the :class:`~shardmax.plan.VocabShard` to run on (its
+    cached plans and graphs shared with other calls, as the plug-in's one shard per runner;
+    default: a new one). Returns the result."""
     from shardmax.ops.resolve import flagged_requests, gather_rows, resolve_requests
     from shardmax.plan import VocabShard
     from shardmax.runtime.validation import check_step_batch
@@ -187,13 +197,16 @@ def _shardmax_step(
     if rank is None:
         logits = traffic.logits
         rows, vocab = logits.shape
-        shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=logits.dtype,
-                           device=logits.device)  # fmt: skip
+        if shard is None:
+            shard = VocabShard(vocab_start=0, num_valid=vocab, width=vocab, dtype=logits.dtype,
+                               device=logits.device)  # fmt: skip
     else:
         logits = rank.local
         rows, width = logits.shape
-        shard = VocabShard(vocab_start=rank.vocab_start, num_valid=rank.num_valid, width=width,
-                           dtype=logits.dtype, device=logits.device, group=rank.group)  # fmt: skip
+        if shard is None:
+            shard = VocabShard(vocab_start=rank.vocab_start, num_valid=rank.num_valid,
+                               width=width, dtype=logits.dtype, device=logits.device,
+                               group=rank.group)  # fmt: skip
     t = traffic
     sampled = mix != "greedy"
     seq_lens, prefill_len = prefill
@@ -277,6 +290,28 @@ def _mismatches(ours: Any, theirs: Any) -> tuple[int, int]:
     tok = ((ours[0] != theirs[0]) & used).any(dim=1)
     bad = (tok | (n_ours != n_theirs) | (ours[2].long() != theirs[2].long())) & keep
     return int(bad.sum()), int((~keep).sum())
+
+
+class _Cycle:
+    """``--churn``: one path's calls on several batch shapes, the next shape on every call -- an
+    engine whose batch changes from step to step (requests arriving and finishing), so the
+    path's per-shape work (first sightings, captures, evictions) falls inside the timed loop."""
+
+    def __init__(self, steps: list[Callable[[], Any]]) -> None:
+        self.steps = steps
+        self.i = 0
+
+    def __call__(self) -> Any:
+        step = self.steps[self.i]
+        self.i = (self.i + 1) % len(self.steps)
+        return step()
+
+
+def churn_reqs(reqs: int, shapes: int) -> list[int]:
+    """The request counts ``--churn`` cycles through at a row count of ``reqs`` requests:
+    ``shapes`` counts from ``reqs`` down (at least 1 request; fewer shapes where ``reqs`` is
+    smaller), the row count's own first."""
+    return [reqs - j for j in range(min(max(1, shapes), reqs))]
 
 
 def _warm(step: Callable[[], Any]) -> None:
@@ -441,6 +476,13 @@ def main(argv: list[str] | None = None) -> int:
         help="TP ranks, one process and GPU each (NCCL): each verifies its vocab shard, vLLM's "
         "path all-gathers the full logits first",
     )
+    ap.add_argument(
+        "--churn",
+        type=int,
+        default=0,
+        help="batch shapes per row count cycled from step to step (its request count and the "
+        "ones below it, e.g. 4: n, n-1, n-2, n-3 requests; 0 or 1: one batch, replayed)",
+    )
     ap.add_argument("--vllm-version", default="0.33.0")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
@@ -520,6 +562,59 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> No
     dist.destroy_process_group()
 
 
+def _paths(
+    traffic: Any,
+    mix: str,
+    kw: dict[str, Any] | None,
+    me: RankShard | None,
+    chain: Any,
+    resolver: Any,
+    fallback: Any,
+    shards: dict[str, Any],
+) -> tuple[dict[str, Callable[[], Any]], Any]:
+    """The loop's paths on one batch (module docstring), and the top-p pipeline of its
+    level-histogram paths (None off top-p). ``shards``: each shardmax path's VocabShard by path
+    name, filled on first use and reused (``--churn``'s shapes share them, as one runner's calls
+    share the plug-in's shard)."""
+    prefill = (kw["seq_lens"], kw["prefill_len"]) if kw is not None else (None, None)
+
+    def step(name: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+        made = _shardmax_step(traffic, mix, prefill, *args, shard=shards.get(name), **kwargs)
+        shards.setdefault(name, made.shard)  # type: ignore[attr-defined]
+        return made
+
+    paths: dict[str, Callable[[], Any]] = {
+        "shardmax": step("shardmax", rank=me),
+        "shardmax-eager": step("shardmax-eager", graphed=False, rank=me),
+    }
+    config = None
+    if chain is not None and kw is not None:
+        if mix != "greedy":
+            paths["shardmax+resolve"] = step("shardmax+resolve", (resolver, kw), rank=me)
+            if fallback is not None and me is None and mix == "temperature":
+                # the plug-in's use at TP 1 (not behind the candidate plan's top-p, which
+                # flags a request on most steps: vLLM's whole chain on each of them)
+                paths["shardmax+device"] = step("shardmax+device", (resolver, kw), device=fallback)
+                paths["shardmax+fold"] = step(
+                    "shardmax+fold", (resolver, kw), device=fallback, fold=True
+                )
+        if mix == "top_p":
+            from shardmax.reference.nucleus_replay import pipeline_for
+            from shardmax.runtime.topp_tables import set_sigma_table
+
+            set_sigma_table(list(chain.modules.topk_topp._NORMAL_CDF_TO_SIGMA_TABLE))
+            config = pipeline_for(traffic.logits.shape[0], "cuda", chain.version)
+            paths["shardmax-hist+resolve"] = step(
+                "shardmax-hist+resolve", (resolver, kw), topp=config, rank=me
+            )
+            if fallback is not None and me is None:  # TP 1: the fold behind top-p
+                paths["shardmax-hist+fold"] = step(
+                    "shardmax-hist+fold", (resolver, kw), topp=config, device=fallback, fold=True
+                )
+        paths["vllm"] = _vllm_step(traffic, chain, kw, rank=me)
+    return paths, config
+
+
 def _run(
     args: argparse.Namespace, rank: int = 0, world: int = 1, group: Any = None
 ) -> list[dict[str, Any]]:
@@ -570,39 +665,25 @@ def _run(
             me = _rank_shard(traffic.logits, rank, world, group)
             kw = verify_inputs(traffic) if chain is not None else None
             prefill = (kw["seq_lens"], kw["prefill_len"]) if kw is not None else (None, None)
-            paths: dict[str, Callable[[], Any]] = {
-                "shardmax": _shardmax_step(traffic, mix, prefill, rank=me),
-                "shardmax-eager": _shardmax_step(traffic, mix, prefill, graphed=False, rank=me),
-            }
-            if chain is not None and kw is not None:
-                if mix != "greedy":
-                    paths["shardmax+resolve"] = _shardmax_step(
-                        traffic, mix, prefill, (resolver, kw), rank=me
-                    )
-                    if fallback is not None and me is None and mix == "temperature":
-                        # the plug-in's use at TP 1 (not behind the candidate plan's top-p, which
-                        # flags a request on most steps: vLLM's whole chain on each of them)
-                        paths["shardmax+device"] = _shardmax_step(
-                            traffic, mix, prefill, (resolver, kw), device=fallback
-                        )
-                        paths["shardmax+fold"] = _shardmax_step(
-                            traffic, mix, prefill, (resolver, kw), device=fallback, fold=True
-                        )
-                if mix == "top_p":
-                    from shardmax.reference.nucleus_replay import pipeline_for
-                    from shardmax.runtime.topp_tables import set_sigma_table
-
-                    set_sigma_table(list(chain.modules.topk_topp._NORMAL_CDF_TO_SIGMA_TABLE))
-                    config = pipeline_for(traffic.logits.shape[0], "cuda", chain.version)
-                    paths["shardmax-hist+resolve"] = _shardmax_step(
-                        traffic, mix, prefill, (resolver, kw), topp=config, rank=me
-                    )
-                    if fallback is not None and me is None:  # TP 1: the fold behind top-p
-                        paths["shardmax-hist+fold"] = _shardmax_step(
-                            traffic, mix, prefill, (resolver, kw), topp=config,
-                            device=fallback, fold=True,
-                        )  # fmt: skip
-                paths["vllm"] = _vllm_step(traffic, chain, kw, rank=me)
+            shards: dict[str, Any] = {}  # one VocabShard per path, shared by its shapes
+            paths, config = _paths(traffic, mix, kw, me, chain, resolver, fallback, shards)
+            timed_paths = paths
+            if args.churn > 1:  # the other shapes, built alike; the checks below use the first
+                others = []
+                for n in churn_reqs(reqs, args.churn)[1:]:
+                    t_n = realistic_batch(n, args.k, args.vocab, seed=rows + n, mix=mix,
+                                          device="cuda" if world == 1 else "cpu")  # fmt: skip
+                    if world > 1:
+                        for fld in dataclasses.fields(t_n):
+                            if isinstance(v := getattr(t_n, fld.name), torch.Tensor):
+                                setattr(t_n, fld.name, v.to("cuda"))
+                    me_n = _rank_shard(t_n.logits, rank, world, group)
+                    kw_n = verify_inputs(t_n) if chain is not None else None
+                    others.append(_paths(t_n, mix, kw_n, me_n, chain, resolver, fallback,
+                                         shards)[0])  # fmt: skip
+                timed_paths = {
+                    name: _Cycle([step, *(o[name] for o in others)]) for name, step in paths.items()
+                }
             same = resolved_note = ""
             device_notes: dict[str, str] = {}
             if "vllm" in paths:
@@ -658,9 +739,16 @@ def _run(
                         _profile(paths[name], f"{name} {mix} rows={reqs * (args.k + 1)}",
                                  show=rank == 0)  # fmt: skip
             timed = _measure_interleaved(
-                paths, forward, args.steps, reqs, args.lookahead, args.rounds
+                timed_paths, forward, args.steps, reqs, args.lookahead, args.rounds
             )
-            for path, step in paths.items():
+            churn = (
+                f"churn: {len(churn_reqs(reqs, args.churn))} batch shapes cycled per step "
+                f"({', '.join(str(n) for n in churn_reqs(reqs, args.churn))} requests; checks "
+                "on the first); "
+                if args.churn > 1
+                else ""
+            )
+            for path, step in timed_paths.items():
                 row = {"mix": mix, "rows": reqs * (args.k + 1), "reqs": reqs,
                        "vocab": args.vocab, "dtype": "bf16", "tp": world, "path": path,
                        "steps": args.steps, "forward_us": round(forward_us, 1),
@@ -692,6 +780,7 @@ def _run(
                     res = paths["shardmax"]()
                     if hasattr(res, "fallback"):
                         row["fallback_rate"] = float(res.fallback.float().mean())
+                row["note"] = churn + row["note"]
                 results.append(row)
                 say(
                     f"{mix:11} rows={row['rows']:4} {path:14} host {row['host_us_mean']:7.1f} us"

@@ -66,7 +66,8 @@
 #                                   by part with a cProfile of it
 #   bash scripts/gpu_session.sh TH  one H200: the top-p histogram GPU tests, then the engine loop
 #                                   on top-p traffic
-#   bash scripts/gpu_session.sh EN  one H200: the engine-faithful loop alone (MIXES=...)
+#   bash scripts/gpu_session.sh EN  one H200: the engine-faithful loop alone (MIXES=...;
+#                                   CHURN=N: N batch shapes per row count, one per step)
 #   bash scripts/gpu_session.sh PR  one H200: host profiles of the engine loop's paths (MIXES,
 #                                   ROWS) into $OUT/profile.log
 #   bash scripts/gpu_session.sh CR  one H200: the compact resolution of a flagged step's body
@@ -171,7 +172,7 @@ host_and_engine() {
 engine_loop() {
   stamp "engine loop ($3)"
   timeout "$(left "$2")" python3 -m benchmarks.engine --steps 100 --mixes "$3" \
-    --out "$OUT/engine" >"$OUT/engine_$1.log" 2>&1
+    --churn "${CHURN:-0}" --out "$OUT/engine" >"$OUT/engine_$1.log" 2>&1
   echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) .*(shardmax|vllm )|Error" \
     "$OUT/engine_$1.log" | head -60
   tar -czf "$OUT/$1.tar.gz" -C "$OUT" engine 2>/dev/null

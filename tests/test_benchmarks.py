@@ -585,3 +585,25 @@ def test_engine_targets_follow_the_plugins_call() -> None:
     assert "sync-free: FAIL" in plugin and "tokens/s 70000 vs 80000 (FAIL)" in plugin
     assert "`shardmax`:" not in plugin  # the bare replay has its own section
     assert "## The sampled steps' bare replay" in text
+
+
+def test_engine_churn_cycles_shapes_on_shared_shards() -> None:
+    """``benchmarks.engine --churn``: the request counts cycled at a row count (its own first,
+    never below one request), and each path's calls on every shape sharing one VocabShard (the
+    plug-in's one shard per runner: its plans and graphs per shape), a new shape per call."""
+    from benchmarks.engine import _Cycle, _paths, churn_reqs
+    from shardmax.testing.traffic import realistic_batch
+
+    assert churn_reqs(24, 4) == [24, 23, 22, 21]
+    assert churn_reqs(2, 4) == [2, 1] and churn_reqs(5, 0) == [5] == churn_reqs(5, 1)
+    shards: dict = {}
+    made = []
+    for n in churn_reqs(3, 2):
+        t = realistic_batch(n, 3, 256, seed=n, mix="temperature")
+        made.append(_paths(t, "temperature", None, None, None, None, None, shards)[0])
+    assert set(made[0]) == {"shardmax", "shardmax-eager"} == set(shards)
+    for name in made[0]:
+        assert made[0][name].shard is made[1][name].shard is shards[name]
+    cycle = _Cycle([made[0]["shardmax-eager"], made[1]["shardmax-eager"]])
+    widths = [int(cycle()[0].shape[0]) for _ in range(4)]
+    assert widths == [3, 2, 3, 2], widths
