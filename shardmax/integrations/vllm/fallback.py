@@ -133,6 +133,7 @@ from shardmax.integrations.vllm.resolution import (
     _check_result,
     _state,
     _Sub,
+    apply_answers,
     fitting_capacity,
     gates_rows,
     sub_chain,
@@ -724,7 +725,6 @@ class DeviceFallback:
         requests are flagged than the capacity holds (its answers then replace every
         request's)."""
         copy = kernels.kernel("table_copy")
-        apply = kernels.kernel("resolve_apply")
         chain = self.chain
         s = b.static
         # the host arrays as they are now (a graph keeps the decisions it was captured with;
@@ -762,18 +762,7 @@ class DeviceFallback:
             for name in ("expanded_local_pos", "pos", "draft_sampled"):
                 s[name].masked_fill_(~real_row, 0)
             out = chain.verify(b.logits, **kw)
-            width = int(out.sampled.shape[1])
-            if out.sampled.dim() != 2 or out.sampled.stride(1) != 1:
-                raise RuntimeError(
-                    f"vLLM's chain returned tokens of shape {tuple(out.sampled.shape)} and "
-                    f"strides {out.sampled.stride()}; resolve_apply reads rows of unit stride"
-                )
-            apply(
-                (b.reqs,), table[_APPLY:], b.req_iota, out.sampled, out.num_sampled,
-                out.num_rejected, width, out.sampled.stride(0), out.num_sampled.stride(0),
-                out.num_rejected.stride(0),
-                BLOCK_K=max(int(apply.module.CONSTEXPRS["BLOCK_K"]), 1 << (width - 1).bit_length()),
-            )  # fmt: skip
+            apply_answers(out, table[_APPLY:], b.req_iota, b.reqs)
             b.flags.zero_()  # the next step's copy writes num_reqs flags: the rest stay clear
             self._keep_workspaces(b, out.sampled)
             return out
@@ -790,7 +779,6 @@ class DeviceFallback:
             return whole
         select = kernels.kernel("resolve_select")
         sub = compact.sub
-        sub_kw = {**step, **kw}
         req_sel = sub.table[sub.req_off : sub.req_off + sub.reqs]
         apply_words = sub.table[sub.apply_off :]
         esize = b.logits.element_size()
@@ -819,7 +807,7 @@ class DeviceFallback:
                 compact.pad.data_ptr(), row_bytes, vocab * esize, sub.reqs, sub.rows, **consts,
             )  # fmt: skip
             copy((sub.rows, compact.programs), compact.entries, BLOCK=block, SPREAD=True)
-            out = sub_chain(chain, sub, compact.gates, k, sub_kw)
+            out = sub_chain(chain, sub, compact.gates, k, kw)
             if flags is b.flags:  # the second call's copy: clear for the next step's
                 b.flags.zero_()
             self._keep_workspaces(b, out.sampled)

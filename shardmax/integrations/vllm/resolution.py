@@ -80,7 +80,14 @@ from shardmax.runtime import kernels
 from shardmax.runtime.host import stage, stage_into
 from shardmax.runtime.pools import GraphPool
 
-__all__ = ["CAPACITIES", "CapturedResolution", "fitting_capacity", "gates_rows", "sub_chain"]
+__all__ = [
+    "CAPACITIES",
+    "CapturedResolution",
+    "apply_answers",
+    "fitting_capacity",
+    "gates_rows",
+    "sub_chain",
+]
 
 CAPACITIES = (1, 2, 4, 8, 16, 32)
 """Request capacities of the captured sub-batches (flagged requests per step; more run eagerly).
@@ -718,6 +725,19 @@ def sub_chain(
         step["seed_gpu"], None, bool(step.get("use_fp64_gumbel", False)), sub.seq_lens,
         sub.cu, sub.idx_mapping, step["prefill_len"],
     )  # fmt: skip
+    apply_answers(out, sub.table[sub.apply_off :], sub.table[sub.req_off :], sub.reqs)
+    return out
+
+
+def apply_answers(out: ChainOutput, words: torch.Tensor, req_sel: torch.Tensor, slots: int) -> None:
+    """One ``resolve_apply`` launch: the answers of vLLM's chain for ``slots`` request slots
+    (``out``) written into the step's outputs whose count and addresses are ``words``
+    (``APPLY_WORDS`` int64 on the device: n, then the five addresses; n = 0 writes nothing),
+    slot ``i`` into the step's request ``req_sel[i]``.
+
+    Raises:
+        RuntimeError: the chain's tokens are not ``[slots, K + 1]`` rows of unit stride.
+    """
     width = int(out.sampled.shape[1])
     apply = kernels.kernel("resolve_apply")
     if out.sampled.dim() != 2 or out.sampled.stride(1) != 1:
@@ -726,12 +746,10 @@ def sub_chain(
             f"{out.sampled.stride()}; resolve_apply reads [slots, K + 1] rows of unit stride"
         )
     apply(
-        (sub.reqs,), sub.table[sub.apply_off :], sub.table[sub.req_off :], out.sampled,
-        out.num_sampled, out.num_rejected, width, out.sampled.stride(0),
-        out.num_sampled.stride(0), out.num_rejected.stride(0),
+        (slots,), words, req_sel, out.sampled, out.num_sampled, out.num_rejected, width,
+        out.sampled.stride(0), out.num_sampled.stride(0), out.num_rejected.stride(0),
         BLOCK_K=max(int(apply.module.CONSTEXPRS["BLOCK_K"]), 1 << (width - 1).bit_length()),
     )  # fmt: skip
-    return out
 
 
 def _split_count(mod: Any, rows: int, vocab: int, device: torch.device) -> int | None:
