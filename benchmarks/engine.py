@@ -69,7 +69,11 @@ finish. With it each row count's paths cycle through N batch shapes, one per cal
 count and the N - 1 below it, each a realistic batch of its own; every shardmax path keeps one
 VocabShard for all of them, as the plug-in's runner does), so what a path does per new shape --
 a first sighting's host read, a capture, an eviction past its graphs' limit -- is timed in the
-loop. The checks against vLLM run on the first shape.
+loop. The checks against vLLM run on the first shape. ``--churn-order walk`` drifts instead:
+a random walk over the shapes, one request more, the same or one fewer per step (more shapes
+than a cache holds then miss only as the walk leaves the recently seen ones). ``--churn-warm``
+gives every shape its first calls before the loop and reports their wall ms apart (a new
+shape's one-off cost), so the loop times the steady state of a batch that keeps changing.
 
 At ``--tp N`` (N GPUs; one process each, NCCL) every rank runs the same loop with the same
 fixed step counts on its vLLM-layout shard of the same logits (each step built on the host, so
@@ -83,7 +87,7 @@ reported (the collectives keep the ranks in step), no path is captured whole.
 
     python -m benchmarks.engine [--rows 4,32,96,256,512] [--vocab 200064] [--steps 200]
         [--mixes greedy,temperature,top_p] [--forward-us 1000] [--lookahead 2] [--rounds 5]
-        [--tp 1] [--churn 0] [--out benchmarks/results/<arch>]
+        [--tp 1] [--churn 0] [--churn-order cycle] [--churn-warm] [--out benchmarks/results/<arch>]
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .report import write_rows
@@ -295,16 +300,35 @@ def _mismatches(ours: Any, theirs: Any) -> tuple[int, int]:
 class _Cycle:
     """``--churn``: one path's calls on several batch shapes, the next shape on every call -- an
     engine whose batch changes from step to step (requests arriving and finishing), so the
-    path's per-shape work (first sightings, captures, evictions) falls inside the timed loop."""
+    path's per-shape work (first sightings, captures, evictions) falls inside the timed loop.
+    ``order``: the shapes' indices the calls go through, repeated (default: each in turn)."""
 
-    def __init__(self, steps: list[Callable[[], Any]]) -> None:
+    def __init__(self, steps: list[Callable[[], Any]], order: list[int] | None = None) -> None:
         self.steps = steps
+        self.order = order or list(range(len(steps)))
         self.i = 0
 
     def __call__(self) -> Any:
-        step = self.steps[self.i]
-        self.i = (self.i + 1) % len(self.steps)
+        step = self.steps[self.order[self.i]]
+        self.i = (self.i + 1) % len(self.order)
         return step()
+
+    def warm(self, calls: int = 3) -> list[list[float]]:
+        """``--churn-warm``: each shape's first ``calls`` calls, before the timed loop; the wall
+        ms of each (the device synchronised around it: a first sighting's host read and a
+        capture included), per shape."""
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        ms = []
+        for step in self.steps:
+            one = []
+            for _ in range(calls):
+                sync()
+                t0 = time.perf_counter()
+                step()
+                sync()
+                one.append((time.perf_counter() - t0) * 1e3)
+            ms.append(one)
+        return ms
 
 
 def churn_reqs(reqs: int, shapes: int) -> list[int]:
@@ -312,6 +336,20 @@ def churn_reqs(reqs: int, shapes: int) -> list[int]:
     ``shapes`` counts from ``reqs`` down (at least 1 request; fewer shapes where ``reqs`` is
     smaller), the row count's own first."""
     return [reqs - j for j in range(min(max(1, shapes), reqs))]
+
+
+def churn_order(shapes: int, steps: int, walk: bool, seed: int = 0) -> list[int]:
+    """The shapes' order of ``--churn-order``: ``cycle`` (each in turn) or ``walk`` -- a
+    reflecting random walk over the shapes (request counts), one request more, the same or one
+    fewer per step, as a batch drifts while requests arrive and finish (``steps`` long, seeded)."""
+    if not walk or shapes <= 1:
+        return list(range(max(1, shapes)))
+    rng = np.random.default_rng(seed)
+    order, at = [], 0
+    for move in rng.integers(-1, 2, size=steps):
+        at = min(max(at + int(move), 0), shapes - 1)
+        order.append(at)
+    return order
 
 
 def _warm(step: Callable[[], Any]) -> None:
@@ -363,15 +401,24 @@ def _measure_interleaved(
     reqs: int,
     lookahead: int = 2,
     rounds: int = 5,
+    warm_shapes: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Every path's ``steps`` timed steps in ``rounds`` interleaved rounds (round r runs
     ``steps / rounds`` steps of each path in turn), so a slow spell of the host (this machine's
     host speed moves by up to 2x over tens of seconds) falls on every path alike. Per path: host
     us per call (mean, p50, p90 over all steps; ``host_us_p50_best_round``: the lowest round
-    p50, the host at its quietest), GPU us per call in the loop, step time, tokens/s."""
+    p50, the host at its quietest), GPU us per call in the loop, step time, tokens/s.
+    ``warm_shapes``: a :class:`_Cycle`'s shapes each take their first calls before the loop
+    (:meth:`_Cycle.warm`; ``new_shape_ms``: the median over its shapes of each call's wall ms),
+    so the loop times the steady state."""
     per = max(1, steps // rounds)
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
-    for step in paths.values():
+    new_shape: dict[str, list[float]] = {}
+    for name, step in paths.items():
+        if warm_shapes and isinstance(step, _Cycle):
+            ms = step.warm()
+            later = ms[1:] or ms  # the first shape was called by the checks already
+            new_shape[name] = [statistics.median(c) for c in zip(*later, strict=True)]
         _warm(step)
     for _ in range(rounds):
         for name, step in paths.items():
@@ -392,6 +439,7 @@ def _measure_interleaved(
             "step_us": wall / len(host) * 1e6,
             "tokens_per_s": tokens / wall,
             "accepted_per_req": tokens / (len(host) * reqs),
+            "new_shape_ms": new_shape.get(name),
         }
     return out
 
@@ -482,6 +530,19 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="batch shapes per row count cycled from step to step (its request count and the "
         "ones below it, e.g. 4: n, n-1, n-2, n-3 requests; 0 or 1: one batch, replayed)",
+    )
+    ap.add_argument(
+        "--churn-order",
+        choices=("cycle", "walk"),
+        default="cycle",
+        help="--churn's order: each shape in turn, or a random walk (one request more, the "
+        "same or one fewer per step)",
+    )
+    ap.add_argument(
+        "--churn-warm",
+        action="store_true",
+        help="--churn: each shape's first calls (host read, capture) before the timed loop, "
+        "their wall ms reported apart; the loop then times the steady state",
     )
     ap.add_argument("--vllm-version", default="0.33.0")
     ap.add_argument("--out", type=Path, default=None)
@@ -681,8 +742,11 @@ def _run(
                     kw_n = verify_inputs(t_n) if chain is not None else None
                     others.append(_paths(t_n, mix, kw_n, me_n, chain, resolver, fallback,
                                          shards)[0])  # fmt: skip
+                order = churn_order(len(others) + 1, args.steps, args.churn_order == "walk",
+                                    seed=rows)  # fmt: skip
                 timed_paths = {
-                    name: _Cycle([step, *(o[name] for o in others)]) for name, step in paths.items()
+                    name: _Cycle([step, *(o[name] for o in others)], order)
+                    for name, step in paths.items()
                 }
             same = resolved_note = ""
             device_notes: dict[str, str] = {}
@@ -739,13 +803,16 @@ def _run(
                         _profile(paths[name], f"{name} {mix} rows={reqs * (args.k + 1)}",
                                  show=rank == 0)  # fmt: skip
             timed = _measure_interleaved(
-                timed_paths, forward, args.steps, reqs, args.lookahead, args.rounds
-            )
+                timed_paths, forward, args.steps, reqs, args.lookahead, args.rounds,
+                warm_shapes=args.churn_warm,
+            )  # fmt: skip
+            shapes = churn_reqs(reqs, args.churn)
             churn = (
-                f"churn: {len(churn_reqs(reqs, args.churn))} batch shapes cycled per step "
-                f"({', '.join(str(n) for n in churn_reqs(reqs, args.churn))} requests; checks "
-                "on the first); "
-                if args.churn > 1
+                f"churn: {len(shapes)} batch shapes, "
+                f"{'a random walk' if args.churn_order == 'walk' else 'cycled'} per step "
+                f"({shapes[0]}..{shapes[-1]} requests; checks on the first"
+                f"{'; warmed before the loop' if args.churn_warm else ''}); "
+                if len(shapes) > 1
                 else ""
             )
             for path, step in timed_paths.items():
@@ -780,7 +847,11 @@ def _run(
                     res = paths["shardmax"]()
                     if hasattr(res, "fallback"):
                         row["fallback_rate"] = float(res.fallback.float().mean())
+                if row.get("new_shape_ms"):
+                    first = ", ".join(f"{m:.1f}" for m in row["new_shape_ms"])
+                    row["note"] = f"a new shape's first calls: {first} ms; " + row["note"]
                 row["note"] = churn + row["note"]
+                row.pop("new_shape_ms", None)
                 results.append(row)
                 say(
                     f"{mix:11} rows={row['rows']:4} {path:14} host {row['host_us_mean']:7.1f} us"

@@ -67,7 +67,10 @@
 #   bash scripts/gpu_session.sh TH  one H200: the top-p histogram GPU tests, then the engine loop
 #                                   on top-p traffic
 #   bash scripts/gpu_session.sh EN  one H200: the engine-faithful loop alone (MIXES=...;
-#                                   CHURN=N: N batch shapes per row count, one per step)
+#                                   CHURN=N: N batch shapes per row count, one per step;
+#                                   CHURN_ORDER=walk: a random walk over them; CHURN_WARM=1:
+#                                   each shape's first calls before the loop, timed apart;
+#                                   ROWS=..., STEPS=...)
 #   bash scripts/gpu_session.sh PR  one H200: host profiles of the engine loop's paths (MIXES,
 #                                   ROWS) into $OUT/profile.log
 #   bash scripts/gpu_session.sh CR  one H200: the compact resolution of a flagged step's body
@@ -171,8 +174,12 @@ host_and_engine() {
 # (its log $OUT/engine_STAGE.log)
 engine_loop() {
   stamp "engine loop ($3)"
-  timeout "$(left "$2")" python3 -m benchmarks.engine --steps 100 --mixes "$3" \
-    --churn "${CHURN:-0}" --out "$OUT/engine" >"$OUT/engine_$1.log" 2>&1
+  local warm=()
+  [ "${CHURN_WARM:-0}" = 0 ] || warm=(--churn-warm)
+  timeout "$(left "$2")" python3 -m benchmarks.engine --steps "${STEPS:-100}" --mixes "$3" \
+    --rows "${ROWS:-4,32,96,256,512}" --churn "${CHURN:-0}" \
+    --churn-order "${CHURN_ORDER:-cycle}" "${warm[@]}" --out "$OUT/engine" \
+    >"$OUT/engine_$1.log" 2>&1
   echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) .*(shardmax|vllm )|Error" \
     "$OUT/engine_$1.log" | head -60
   tar -czf "$OUT/$1.tar.gz" -C "$OUT" engine 2>/dev/null

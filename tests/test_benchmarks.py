@@ -6,6 +6,7 @@ CSV here is synthetic and lives in ``tmp_path``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -607,3 +608,21 @@ def test_engine_churn_cycles_shapes_on_shared_shards() -> None:
     cycle = _Cycle([made[0]["shardmax-eager"], made[1]["shardmax-eager"]])
     widths = [int(cycle()[0].shape[0]) for _ in range(4)]
     assert widths == [3, 2, 3, 2], widths
+    walk = _Cycle(cycle.steps, [1, 1, 0])
+    assert [int(walk()[0].shape[0]) for _ in range(4)] == [2, 2, 3, 2]
+    ms = walk.warm(calls=2)  # every shape's first calls, timed apart
+    assert len(ms) == 2 and all(len(m) == 2 and min(m) > 0 for m in ms)
+
+
+def test_engine_churn_walk_drifts_one_request_at_a_time() -> None:
+    """``--churn-order walk``: a seeded random walk over the shapes that stays inside them and
+    moves at most one request per step (and reaches beyond a few neighbours); ``cycle`` and a
+    single shape go through the shapes in turn."""
+    from benchmarks.engine import churn_order
+
+    walk = churn_order(24, 400, walk=True, seed=96)
+    assert len(walk) == 400 and min(walk) >= 0 and max(walk) <= 23
+    assert all(abs(a - b) <= 1 for a, b in itertools.pairwise(walk))
+    assert len(set(walk)) > 8 and walk == churn_order(24, 400, walk=True, seed=96)
+    assert churn_order(4, 400, walk=False) == [0, 1, 2, 3]
+    assert churn_order(1, 400, walk=True) == [0]
