@@ -291,6 +291,39 @@ def test_device_fallback_compact(chain: NativeChain) -> None:
         assert fb.stats["signatures"] == 1, fb.stats
 
 
+@pytest.mark.e2e
+@by_version
+def test_device_fallback_compact_buckets_share_sub_batch(chain: NativeChain) -> None:
+    """Buckets of one capacity share one padded sub-batch (its logits rows and indices are
+    rewritten by every body that runs): steps of a bucket of 4 requests and of one of 16,
+    alternating, each with flagged requests == vLLM's chain on the step and a damaged
+    unflagged request left alone (the compact body, not the whole step, ran)."""
+    b, kw = _step(17, 12, 320, "cpu")
+    small = [(r, 4) for r in range(4)]
+    large = [(r, 4 - r % 3) for r in range(12)]  # fewer drafts for some
+    fb = DeviceFallback(chain, emulate=True, capacity=2)
+    steps = [(small, [1], [0]), (large, [3, 10], [4]), (small, [2, 3], [1]),
+             (large, [0], [11]), (small, [0], [3]), (large, [7, 8], [2])]  # fmt: skip
+    for picks in (small, large):  # each bucket's host-read step and its capture
+        logits, sub = _sub_step(b.logits, kw, picks)
+        want = chain.verify(logits, **sub)
+        assert not fb.run(_result(want, [], []), logits, **sub)
+        assert fb.run(_result(want, [], []), logits, **sub)
+    subs = {id(bucket.compact.sub) for bucket in fb._buckets.values()}
+    assert len(fb._buckets) == 2 and len(subs) == 1 == len(fb._subs), fb._buckets.keys()
+    for picks, flagged, damaged in steps:
+        logits, sub = _sub_step(b.logits, kw, picks)
+        want = chain.verify(logits, **sub)
+        res = _result(want, flagged, flagged + damaged)
+        assert fb.run(res, logits, **sub)
+        for r in range(len(picks)):
+            if r in damaged:
+                assert int(res.num_sampled[r]) == 1 and int(res.sampled[r, 0]) == 7, (picks, r)
+                continue
+            one = VerifyResult(*(t[r : r + 1] for t in res[:5]))
+            _same(one, [t[r : r + 1] for t in want[:3]], f"{len(picks)} requests, {r}")
+
+
 def _folded_run(shard, fb: DeviceFallback, logits: torch.Tensor, t, kw: dict, topp=None):
     """The plug-in's TP-1 sampled step with the fallback folded into the replayed graph: the
     fold made first, then the shard's replayed plan (``topp``: its level-histogram top-p

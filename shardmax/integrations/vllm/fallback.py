@@ -158,6 +158,8 @@ _ROWS = ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos")
 """The step's ``[num_logits]`` tensors, copied into the bucket's static buffers."""
 _REQS = ("idx_mapping", "seq_lens")
 """The step's ``[num_reqs]`` tensors, copied likewise (and ``cu_num_logits``, ``[num_reqs + 1]``)."""
+_SUB_LAYOUT = (*_ROWS, "idx_mapping", "seq_lens", "cu_num_logits")
+"""The step tensors whose dtypes a compact body's sub-batch takes (besides the logits')."""
 _COPIED = ("logits", *_ROWS, "cu_num_logits", *_REQS, *_PERSISTENT)
 """The body's copy entries, in table order (vLLM's per-slot tensors last; an absent one copies
 nothing)."""
@@ -401,6 +403,7 @@ class DeviceFallback:
         self._lock = threading.Lock()
         self._why: dict[torch.device, str | None] = {}
         self._gates_memo: dict[tuple[Any, ...], Any] = {}
+        self._subs: dict[tuple[Any, ...], _Sub] = {}  # the compact bodies' sub-batches
         self.stats = {"launched": 0, "host_read": 0, "no_free_slot": 0, "signatures": 0,
                       "captured": 0, "capture_failed": 0}  # fmt: skip
         """Steps launched on the device; steps returned to the caller's host read (new or
@@ -823,7 +826,8 @@ class DeviceFallback:
             b.keep.append([dict(getattr(mod, name, {})) for name in _WORKSPACES])
 
     def _compact(self, b: _Bucket, kw: dict[str, Any], idx_np: np.ndarray) -> _Compact | None:
-        """The bucket's padded sub-batch of flagged requests (made once per bucket), or None
+        """The bucket's padded sub-batch of flagged requests (decided once per bucket; the
+        sub-batch's buffers shared by the buckets of one capacity and layout), or None
         where it has none: a capacity of 0 (``capacity``, :func:`default_capacity`) or of the
         whole bucket, or one whose padded rows would make vLLM pick another top-p pipeline or
         split count than the bucket's (:func:`~shardmax.integrations.vllm.resolution.
@@ -848,10 +852,15 @@ class DeviceFallback:
         ):
             return None
         rows = cap * (k + 1)
-        b.compact = _Compact(
-            _Sub(rows, cap, {"logits": b.logits, **b.static}),
-            replace(gates, rows=gates_rows(chain, pipeline, rows, b.rows)),
-        )
+        like = {"logits": b.logits, **b.static}
+        # one sub-batch per capacity and layout, shared by every bucket (their graphs replay in
+        # stream order, and each body's resolve_select rewrites every row and index it reads)
+        sub_key = (cap, k, vocab, b.logits.dtype, b.logits.device,
+                   tuple((name, like[name].dtype) for name in _SUB_LAYOUT))  # fmt: skip
+        sub = self._subs.get(sub_key)
+        if sub is None:
+            sub = self._subs[sub_key] = _Sub(rows, cap, like)
+        b.compact = _Compact(sub, replace(gates, rows=gates_rows(chain, pipeline, rows, b.rows)))
         return b.compact
 
     def _capture(self, b: _Bucket, slot: _Slot, step: dict[str, Any], num_reqs: int) -> None:

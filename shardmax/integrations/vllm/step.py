@@ -641,8 +641,8 @@ def device_fallback(device: torch.device) -> Any:
     reserved): a static copy of the largest bucket's logits (1.5-196 MiB at 4-512 rows of
     V = 200064 bf16, ``benchmarks/results/sm90/fallback_memory``, T = 1), per bucket with a
     capacity its padded sub-batch of flagged requests' logits (``capacity * (K + 1)`` rows: 12.8
-    MB at capacity 8, K = 3, V = 200064 bf16; one per bucket, up to
-    :data:`~shardmax.integrations.vllm.fallback.MAX_GRAPHS` buckets; not measured), and vLLM's
+    MB at capacity 8, K = 3, V = 200064 bf16; one per capacity, shared by the buckets; not
+    measured), and vLLM's
     chain's temporaries in the graphs' pool where its gates make any (temperatures other than
     1, top-k, top-p, min-p; the top-p steps' not measured). ``emulate`` (tests, CPU engines): the same
     tables and kernels run eagerly, the predicate read on the host (a sync, so no speed to
