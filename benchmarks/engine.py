@@ -87,7 +87,8 @@ reported (the collectives keep the ranks in step), no path is captured whole.
 
     python -m benchmarks.engine [--rows 4,32,96,256,512] [--vocab 200064] [--steps 200]
         [--mixes greedy,temperature,top_p] [--forward-us 1000] [--lookahead 2] [--rounds 5]
-        [--tp 1] [--churn 0] [--churn-order cycle] [--churn-warm] [--out benchmarks/results/<arch>]
+        [--tp 1] [--churn 0] [--churn-order cycle] [--churn-warm] [--kernels]
+        [--out benchmarks/results/<arch>]
 """
 
 from __future__ import annotations
@@ -488,6 +489,31 @@ def _profile(step: Callable[[], Any], tag: str, show: bool = True) -> None:
     pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
+def _print_kernels(
+    traffic: Any, mix: str, prefill: Any, config: Any, paths: dict[str, Callable[[], Any]]
+) -> None:
+    """``--kernels``: GPU us per call by kernel (:func:`benchmarks.timing.kernel_times`) of the
+    plan's eager launches, the level-histogram plan's (top-p), the folded call as replayed (the
+    kernels inside its graphs, where the profiler sees them) and vLLM's chain."""
+    from .timing import kernel_times
+
+    rows = traffic.logits.shape[0]
+    steps = {"shardmax-eager": paths["shardmax-eager"]}
+    if config is not None:
+        steps["shardmax-hist (eager, unresolved)"] = _shardmax_step(
+            traffic, mix, prefill, graphed=False, topp=config
+        )
+    for name in ("shardmax+fold", "shardmax-hist+fold", "vllm"):
+        if name in paths:
+            steps[name] = paths[name]
+    for name, step in steps.items():
+        times = kernel_times(step)
+        print(f"--- kernels: {name} {mix} rows={rows}: {sum(times.values()):.1f} us per call "
+              f"in {len(times)} kernels", flush=True)  # fmt: skip
+        for kname, us in list(times.items())[:16]:
+            print(f"  {us:8.1f}  {kname}", flush=True)
+
+
 def _syncs(step: Callable[[], Any]) -> str:
     """How one call synchronised with the device (:func:`shardmax.testing.syncs.host_syncs`:
     torch's sync debug mode and the event / stream waits it does not report)."""
@@ -552,6 +578,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="CSV",
         help="only draw engine.png and write ENGINE.md next to an engine.csv of an earlier run",
+    )
+    ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="print each path's GPU us per call by kernel (torch profiler, 20 calls)",
     )
     ap.add_argument(
         "--profile",
@@ -790,6 +821,8 @@ def _run(
                         f"{flagged_by[name]} flagged before the device fallback); its first "
                         f"steps: {getattr(dev_step, 'calls', {})}"
                     )
+            if args.kernels and rank == 0:
+                _print_kernels(traffic, mix, prefill, config, paths)
             if args.profile:
                 for name in (
                     "shardmax",

@@ -55,7 +55,6 @@ import functools
 import statistics
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,25 +83,6 @@ def _host_us(step: Callable[[], Any], calls: int) -> float:
         t.append((time.perf_counter() - h0) * 1e6)
     torch.cuda.synchronize()
     return statistics.fmean(t)
-
-
-def _kernels(step: Callable[[], Any], calls: int = 20) -> dict[str, float]:
-    """GPU us per call by kernel name (torch profiler, eager calls)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-    out: dict[str, float] = defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name[:80]] += e.device_time_total / calls if hasattr(e, "device_time_total") \
-                else e.cuda_time_total / calls  # fmt: skip
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -234,7 +214,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 out.append(row)
                 print(row, flush=True)
                 if name in PROFILED and not args.no_profile:
-                    for kname, us in _kernels(step).items():
+                    for kname, us in timing.kernel_times(step).items():
                         out.append(dict(common, method=name, kernel=kname, p50_us=round(us, 2)))
             if not _agree(results["one_pass"], results["two_phase"]):
                 print(f"!! tp={tp} rows={rows}: one_pass != two_phase", flush=True)

@@ -209,3 +209,23 @@ def empty_launch_us(device: Any, launches: int = 200, replays: int = REPLAYS) ->
         kernel[(1,)](buf, STORE=False)
 
     return measure(step, 1, device, launches=launches, replays=replays, cold=False)
+
+
+def kernel_times(step: Callable[[], Any], calls: int = 20) -> dict[str, float]:
+    """GPU us per call of ``step`` by kernel name (torch profiler over ``calls`` calls after one
+    untimed call), largest first; names cut to 80 characters."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            out[e.name[:80]] = out.get(e.name[:80], 0.0) + us / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))

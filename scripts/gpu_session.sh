@@ -76,6 +76,8 @@
 #   bash scripts/gpu_session.sh CR  one H200: the compact resolution of a flagged step's body
 #                                   (nested conditional graphs, resolve_select, the fallback's
 #                                   GPU tests); then stage EN with MIXES=top_p
+#   bash scripts/gpu_session.sh KB  one H200: the engine loop's paths by kernel (MIXES, ROWS),
+#                                   then the top-p histogram / replay kernels at TP 1
 #   bash scripts/gpu_session.sh FM  one H200: the GPU memory the folded device fallback holds
 #   bash scripts/gpu_session.sh FT  one H200: the fallback GPU tests, then the engine loop on
 #                                   top-p traffic (the folded fallback behind histogram top-p)
@@ -882,6 +884,22 @@ EN)
   # $OUT/EN.tar.gz
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
   engine_loop EN 570 "${MIXES:-greedy,temperature,top_p}"
+  ;;
+KB)
+  # where a step's GPU time goes: the engine loop's paths by kernel (MIXES, default top_p;
+  # ROWS, default 4,32), then the top-p histogram / replay kernels at TP 1 (splits and warps
+  # swept) against vLLM's top-p kernel, into $OUT/kernels.log and $OUT/topp_kernels.log
+  export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
+  stamp "engine paths by kernel"
+  timeout "$(left 300)" python3 -m benchmarks.engine --mixes "${MIXES:-top_p}" \
+    --rows "${ROWS:-4,32}" --steps 20 --rounds 1 --kernels --out "$OUT/kb" \
+    >"$OUT/kernels.log" 2>&1
+  echo "  rc=$?"; grep -E "^--- kernels|Error" "$OUT/kernels.log" | head -20
+  stamp "top-p kernels at TP 1"
+  timeout "$(left 560)" python3 -m benchmarks.topp_kernels --tp 1 --reqs 1 2 8 --vocab 200064 \
+    --steps 2 --out "$OUT/tk" >"$OUT/topp_kernels.log" 2>&1
+  echo "  rc=$?"; grep -E "topp_kernels\]|Error" "$OUT/topp_kernels.log" | head -20
+  rm -rf "$OUT/kb" "$OUT/tk"
   ;;
 FM)
   # the GPU memory the folded device fallback holds (benchmarks.fallback_memory), after the
