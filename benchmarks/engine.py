@@ -71,7 +71,8 @@ VocabShard for all of them, as the plug-in's runner does), so what a path does p
 a first sighting's host read, a capture, an eviction past its graphs' limit -- is timed in the
 loop. The checks against vLLM run on the first shape. ``--churn-order walk`` drifts instead:
 a random walk over the shapes, one request more, the same or one fewer per step (more shapes
-than a cache holds then miss only as the walk leaves the recently seen ones). ``--churn-warm``
+than a cache holds then miss only as the walk leaves the recently seen ones; the walk may not
+reach every shape: the note says how many it visits). ``--churn-warm``
 gives every shape its first calls before the loop and reports their wall ms apart (a new
 shape's one-off cost), so the loop times the steady state of a batch that keeps changing.
 
@@ -340,9 +341,10 @@ def churn_reqs(reqs: int, shapes: int) -> list[int]:
 
 
 def churn_order(shapes: int, steps: int, walk: bool, seed: int = 0) -> list[int]:
-    """The shapes' order of ``--churn-order``: ``cycle`` (each in turn) or ``walk`` -- a
-    reflecting random walk over the shapes (request counts), one request more, the same or one
-    fewer per step, as a batch drifts while requests arrive and finish (``steps`` long, seeded)."""
+    """The shapes' order of ``--churn-order``: ``cycle`` (each in turn) or ``walk`` -- a random
+    walk over the shapes (request counts), one request more, the same or one fewer per step, as
+    a batch drifts while requests arrive and finish (``steps`` long, seeded; held at the ends),
+    then the same walk backwards, so that the order repeats without a jump."""
     if not walk or shapes <= 1:
         return list(range(max(1, shapes)))
     rng = np.random.default_rng(seed)
@@ -350,7 +352,7 @@ def churn_order(shapes: int, steps: int, walk: bool, seed: int = 0) -> list[int]
     for move in rng.integers(-1, 2, size=steps):
         at = min(max(at + int(move), 0), shapes - 1)
         order.append(at)
-    return order
+    return order + order[::-1]
 
 
 def _warm(step: Callable[[], Any]) -> None:
@@ -416,7 +418,7 @@ def _measure_interleaved(
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
     new_shape: dict[str, list[float]] = {}
     for name, step in paths.items():
-        if warm_shapes and isinstance(step, _Cycle):
+        if warm_shapes and isinstance(step, _Cycle) and len(step.steps) > 1:
             ms = step.warm()
             later = ms[1:] or ms  # the first shape was called by the checks already
             new_shape[name] = [statistics.median(c) for c in zip(*later, strict=True)]
@@ -840,14 +842,15 @@ def _run(
                 warm_shapes=args.churn_warm,
             )  # fmt: skip
             shapes = churn_reqs(reqs, args.churn)
-            churn = (
-                f"churn: {len(shapes)} batch shapes, "
-                f"{'a random walk' if args.churn_order == 'walk' else 'cycled'} per step "
-                f"({shapes[0]}..{shapes[-1]} requests; checks on the first"
-                f"{'; warmed before the loop' if args.churn_warm else ''}); "
-                if len(shapes) > 1
-                else ""
-            )
+            churn = ""
+            if len(shapes) > 1:
+                order = "cycled"
+                if args.churn_order == "walk":
+                    walked = set(churn_order(len(shapes), args.steps, True, seed=rows))
+                    order = f"a random walk visiting {len(walked)} of them"
+                warmed = "; warmed before the loop" if args.churn_warm else ""
+                churn = (f"churn: {len(shapes)} batch shapes, {order} per step ({shapes[0]}.."
+                         f"{shapes[-1]} requests; checks on the first{warmed}); ")  # fmt: skip
             for path, step in timed_paths.items():
                 row = {"mix": mix, "rows": reqs * (args.k + 1), "reqs": reqs,
                        "vocab": args.vocab, "dtype": "bf16", "tp": world, "path": path,

@@ -616,13 +616,14 @@ def test_engine_churn_cycles_shapes_on_shared_shards() -> None:
 
 def test_engine_churn_walk_drifts_one_request_at_a_time() -> None:
     """``--churn-order walk``: a seeded random walk over the shapes that stays inside them and
-    moves at most one request per step (and reaches beyond a few neighbours); ``cycle`` and a
-    single shape go through the shapes in turn."""
+    moves at most one request per step, also where the order repeats (and reaches beyond a few
+    neighbours); ``cycle`` and a single shape go through the shapes in turn."""
     from benchmarks.engine import churn_order
 
     walk = churn_order(24, 400, walk=True, seed=96)
-    assert len(walk) == 400 and min(walk) >= 0 and max(walk) <= 23
-    assert all(abs(a - b) <= 1 for a, b in itertools.pairwise(walk))
+    assert len(walk) == 800 and min(walk) >= 0 and max(walk) <= 23
+    # repeated, it never jumps (the walk, then the walk backwards)
+    assert all(abs(a - b) <= 1 for a, b in itertools.pairwise(walk + walk))
     assert len(set(walk)) > 8 and walk == churn_order(24, 400, walk=True, seed=96)
     assert churn_order(4, 400, walk=False) == [0, 1, 2, 3]
     assert churn_order(1, 400, walk=True) == [0]
