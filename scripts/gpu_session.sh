@@ -188,6 +188,16 @@ engine_loop() {
   rm -rf "$OUT/engine"
 }
 
+# engine_diag LOG DEADLINE FLAG MIXES ROWS PATTERN: a short engine loop (20 steps) with one of
+# its diagnostic flags (--profile, --kernels) into $OUT/LOG.log, its PATTERN lines shown
+engine_diag() {
+  stamp "engine loop $3"
+  timeout "$(left "$2")" python3 -m benchmarks.engine --mixes "$4" --rows "$5" --steps 20 \
+    --rounds 2 "$3" --out "$OUT/$1" >"$OUT/$1.log" 2>&1
+  echo "  rc=$?"; grep -E "$6|Error" "$OUT/$1.log" | head -20
+  rm -rf "${OUT:?}/$1"
+}
+
 # sampled_tuned_step STAGE DEADLINE: one rank's sampled step with the tuned tables (no sweeps;
 # PDL on and off where supported) into $OUT/STAGE.tar.gz
 sampled_tuned_step() {
@@ -872,12 +882,7 @@ PR)
   # host profiles (cProfile, 300 calls each) of the engine loop's paths (MIXES, default
   # greedy,top_p; ROWS, default 32,512), then their short timed loop, into $OUT/profile.log
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
-  stamp "engine loop host profiles"
-  timeout "$(left 560)" python3 -m benchmarks.engine --mixes "${MIXES:-greedy,top_p}" \
-    --rows "${ROWS:-32,512}" --steps 20 --rounds 2 --profile --out "$OUT/profile" \
-    >"$OUT/profile.log" 2>&1
-  echo "  rc=$?"; grep -E "host profile|Error" "$OUT/profile.log" | head -20
-  rm -rf "$OUT/profile"
+  engine_diag profile 560 --profile "${MIXES:-greedy,top_p}" "${ROWS:-32,512}" "host profile"
   ;;
 EN)
   # the engine-faithful loop alone (MIXES: its traffic mixes, default every one), into
@@ -890,16 +895,12 @@ KB)
   # ROWS, default 4,32), then the top-p histogram / replay kernels at TP 1 (splits and warps
   # swept) against vLLM's top-p kernel, into $OUT/kernels.log and $OUT/topp_kernels.log
   export SHARDMAX_VLLM_KERNELS=$PWD/.vllm-kernels
-  stamp "engine paths by kernel"
-  timeout "$(left 300)" python3 -m benchmarks.engine --mixes "${MIXES:-top_p}" \
-    --rows "${ROWS:-4,32}" --steps 20 --rounds 1 --kernels --out "$OUT/kb" \
-    >"$OUT/kernels.log" 2>&1
-  echo "  rc=$?"; grep -E "^--- kernels|Error" "$OUT/kernels.log" | head -20
+  engine_diag kernels 300 --kernels "${MIXES:-top_p}" "${ROWS:-4,32}" "^--- kernels"
   stamp "top-p kernels at TP 1"
   timeout "$(left 560)" python3 -m benchmarks.topp_kernels --tp 1 --reqs 1 2 8 --vocab 200064 \
     --steps 2 --out "$OUT/tk" >"$OUT/topp_kernels.log" 2>&1
   echo "  rc=$?"; grep -E "topp_kernels\]|Error" "$OUT/topp_kernels.log" | head -20
-  rm -rf "$OUT/kb" "$OUT/tk"
+  rm -rf "$OUT/tk"
   ;;
 FM)
   # the GPU memory the folded device fallback holds (benchmarks.fallback_memory), after the
