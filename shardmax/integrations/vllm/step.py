@@ -532,22 +532,24 @@ def topp_fold_routing(runner: Any, input_batch: Any, device: torch.device) -> bo
     folded device fallback decides on ``device`` (:func:`device_fallback`: CUDA with conditional
     graphs, graph replay on; no host read) -- the traffic of a model's defaults (T = 1,
     top-p 0.95). Measured in the engine loop (V = 200064 bf16, K = 3, realistic traffic, one
-    batch per row count, ``benchmarks/results/sm90/engine_compact``), tokens/s against vLLM's
-    chain at 4 / 32 / 96 / 256 / 512 rows: H100 (2346626) +18.0 / +18.5 / -0.6 / +44.7 /
-    +23.5 %; H200 (efb9dd5, top-p alone) -2.0 / +14.9 / -1.7 / +41.3 / +20.3 % -- level at 4 and
-    96 rows (where vLLM's split top-p pipeline is fast, and where one request of 24 is flagged
-    on every step and vLLM's monolithic top-p kernel resolves it), ahead elsewhere; every
-    request == vLLM's. False for other values of ``$SHARDMAX_VLLM_SAMPLED`` (``1`` routes every
-    sampled step, ``0`` none), for steps of more logits rows than one vLLM chunk (the candidate
-    path's), for vLLM's synthetic rejection method (the fold refuses it) and wherever the fold
-    is unavailable (the host read would stall the engine: slower than vLLM's chain at TP 1).
+    batch per row count), tokens/s against vLLM's chain at 4 / 32 / 96 / 256 / 512 rows: H100
+    (b5bb75f, ``benchmarks/results/sm90/engine_b5bb75f``) -4.3 / +12.4 / -0.4 / +43.3 / +23.3 %;
+    H200 (efb9dd5, ``engine_compact/h200_top_p``) -2.0 / +14.9 / -1.7 / +41.3 / +20.3 % -- behind
+    or level at 4 rows (one request: the level-histogram kernels and the fold's predicate take
+    ~40 us more GPU time than vLLM's chain) and at 96 rows (one request of 24 flagged on every
+    step, resolved by vLLM's monolithic top-p kernel), ahead elsewhere; every request == vLLM's.
+    False for other values of ``$SHARDMAX_VLLM_SAMPLED`` (``1`` routes every sampled step, ``0``
+    none), for steps of more logits rows than one vLLM chunk (the candidate path's), for vLLM's
+    synthetic rejection method (the fold refuses it) and wherever the fold is unavailable (the
+    host read would stall the engine: slower than vLLM's chain at TP 1).
 
-    Not measured: serving traffic whose batch size changes from step to step. A top-p step's
-    replayed graph and its fold are captured per exact batch shape (the level-histogram plan's
-    signature; vLLM picks its top-p pipeline by the row count) on a shape's second step -- its
-    first step reads the flags on the host -- and the fallback keeps
-    :data:`~shardmax.integrations.vllm.fallback.MAX_GRAPHS` shapes: the engine loop's numbers
-    above replay one batch per row count."""
+    A batch whose shape changes from step to step: a top-p step's replayed graph and its fold
+    are captured per exact batch shape (the level-histogram plan's signature; vLLM picks its
+    top-p pipeline by the row count) on a shape's second step -- its first reads the flags on
+    the host --, ~17-27 ms once per shape on an H100, and a plan keeps
+    :data:`~shardmax.runtime.graphs.MAX_GRAPHS` of them; with the shapes captured, 8 cycled or
+    a drift over 18-24 keep the fold 9.5-27 % ahead of vLLM's chain at 96-512 rows
+    (``benchmarks/results/sm90/engine_churn/CHURN.md``)."""
     if _routing_env(ENV_SAMPLED, "auto", SAMPLED_ROUTING) != "auto":
         return False
     if getattr(runner.rejection_sampler, "synthetic_conditional_rates", None) is not None:
