@@ -127,6 +127,7 @@ import torch
 from shardmax.integrations.vllm.chain import NativeChain, max_chunk_logits
 from shardmax.integrations.vllm.resolution import (
     _APPLY_DTYPES,
+    _INDEXED,
     _PERSISTENT,
     _WORKSPACES,
     APPLY_WORDS,
@@ -158,8 +159,6 @@ _ROWS = ("draft_sampled", "pos", "expanded_idx_mapping", "expanded_local_pos")
 """The step's ``[num_logits]`` tensors, copied into the bucket's static buffers."""
 _REQS = ("idx_mapping", "seq_lens")
 """The step's ``[num_reqs]`` tensors, copied likewise (and ``cu_num_logits``, ``[num_reqs + 1]``)."""
-_SUB_LAYOUT = (*_ROWS, "idx_mapping", "seq_lens", "cu_num_logits")
-"""The step tensors whose dtypes a compact body's sub-batch takes (besides the logits')."""
 _COPIED = ("logits", *_ROWS, "cu_num_logits", *_REQS, *_PERSISTENT)
 """The body's copy entries, in table order (vLLM's per-slot tensors last; an absent one copies
 nothing)."""
@@ -856,7 +855,7 @@ class DeviceFallback:
         # one sub-batch per capacity and layout, shared by every bucket (their graphs replay in
         # stream order, and each body's resolve_select rewrites every row and index it reads)
         sub_key = (cap, k, vocab, b.logits.dtype, b.logits.device,
-                   tuple((name, like[name].dtype) for name in _SUB_LAYOUT))  # fmt: skip
+                   tuple(like[name].dtype for name in _INDEXED))  # fmt: skip
         sub = self._subs.get(sub_key)
         if sub is None:
             sub = self._subs[sub_key] = _Sub(rows, cap, like)
