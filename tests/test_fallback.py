@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardmax.integrations.vllm.fallback import SLOTS, DeviceFallback, _pow2
+from shardmax.integrations.vllm.fallback import SLOTS, DeviceFallback, _pow2, _StepTensors
 from shardmax.ops.sampled import VerifyResult
 from shardmax.testing.traffic import realistic_batch
 from shardmax.testing.vllm_chain import NativeChain, verify_inputs
@@ -178,6 +178,9 @@ def test_device_fallback_emulated(chain: NativeChain) -> None:
     # a batch tensor it cannot copy as bytes: the caller reads the flags
     strided = {**kw, "pos": torch.stack([kw["pos"], kw["pos"]], 1)[:, 0]}
     assert not fb.run(_result(want, [1], [1]), b.logits, **strided)
+    assert fb.fold(b.logits, **strided) is None  # nor folded: the caller's path
+    persistent = {**kw, "seed_gpu": torch.stack([kw["seed_gpu"], kw["seed_gpu"]], 1)[:, 0]}
+    assert not fb.run(_result(want, [1], [1]), b.logits, **persistent)
     # an empty step: nothing to decide
     empty, kw_empty = _sub_step(b.logits, kw, [])
     none = _result([t[:0] for t in want[:3]], [], [])
@@ -186,6 +189,7 @@ def test_device_fallback_emulated(chain: NativeChain) -> None:
     row = b.logits[:1].expand(b.logits.shape[0], -1)
     want_row = chain.verify(row, **kw)
     assert not fb.run(_result(want_row, [1], [1]), row, **kw)
+    assert fb.fold(row, **kw) is None
 
 
 @pytest.mark.e2e
@@ -793,7 +797,8 @@ def test_fold_signature_follows_the_requests_sampling_values_in_place() -> None:
         b = realistic_batch(6, 3, V, seed=5, mix=mix)
         kw = verify_inputs(b)
         reqs, rows = int(b.idx_mapping.shape[0]), int(b.logits.shape[0])
-        tensors = fb._tensors(b.logits, kw)
+        tensors = _StepTensors.of(b.logits, kw)
+        assert tensors is not None
         first = fb._key(b.logits, tensors, kw, reqs)
         assert first is not None
         slot = int(kw["idx_mapping_np"][2])
@@ -802,7 +807,7 @@ def test_fold_signature_follows_the_requests_sampling_values_in_place() -> None:
             changes += [("top_p_np", 1.0), ("top_p_np", 0.9)]
         for name, value in changes:
             kw[name][slot] = value  # in place, as vLLM's SamplingStates does
-            key = fb._key(b.logits, fb._tensors(b.logits, kw), kw, reqs)
+            key = fb._key(b.logits, tensors, kw, reqs)
             assert key is not None
             gates = key[8]  # computed for the bucket's rows, key[1]
             assert gates == fresh_gates(kw, reqs, key[1]), (mix, name, value)

@@ -300,33 +300,86 @@ class _Compact:
         self.programs = max(1, min(64, -(-row // (16 * block))))  # programs sharing a row
 
 
+class _StepTensors:
+    """The step's tensors the body copies, seen once per step: ``by_name`` (``logits`` first,
+    then :data:`_COPIED`'s order; an absent per-slot tensor left out), what a signature keys
+    on (the copied tensors' dtypes; vLLM's per-slot tensors by name, dtype and length) and
+    their table entries in :data:`_COPIED` order (addresses and byte counts, 0 for an absent
+    one) -- one pass that both the signature (:meth:`DeviceFallback._key`) and the step's words
+    (:func:`_words`) read."""
+
+    __slots__ = ("by_name", "dtypes", "num_logits", "ptrs", "sizes", "slot_state")
+
+    def __init__(
+        self,
+        by_name: dict[str, torch.Tensor],
+        dtypes: tuple[torch.dtype, ...],
+        slot_state: tuple[tuple[str, torch.dtype, int], ...],
+        ptrs: list[int],
+        sizes: list[int],
+    ) -> None:
+        self.by_name, self.dtypes, self.slot_state = by_name, dtypes, slot_state
+        self.ptrs, self.sizes = ptrs, sizes
+        self.num_logits = int(by_name["logits"].shape[0])
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, step: dict[str, Any]) -> _StepTensors | None:
+        """The step's tensors (``step``: :meth:`NativeChain.verify`'s arguments), or None where
+        the body cannot copy them as bytes: logits not 2-D, with a last stride other than 1 or
+        overlapping rows; another tensor not contiguous.
+
+        Raises:
+            KeyError: a tensor argument the chain requires is missing from ``step``."""
+        if logits.dim() != 2:
+            return None
+        num_logits, vocab = logits.shape
+        row, col = logits.stride()
+        if col != 1 or (num_logits > 1 and row < vocab):  # broadcast or overlapping rows
+            return None
+        span = ((num_logits - 1) * row + vocab) * logits.element_size() if num_logits else 0
+        by_name, ptrs, sizes = {"logits": logits}, [logits.data_ptr()], [span]
+        dtypes, slot_state = [], []
+        for name in _COPIED[1:]:
+            if name in _PERSISTENT:
+                t = step.get(name)
+                if t is None:
+                    ptrs.append(0)
+                    sizes.append(0)
+                    continue
+                slot_state.append((name, t.dtype, t.shape[0]))
+            else:
+                t = step[name]
+                dtypes.append(t.dtype)
+            if not t.is_contiguous():
+                return None
+            by_name[name] = t
+            ptrs.append(t.data_ptr())
+            sizes.append(t.nbytes)
+        return cls(by_name, tuple(dtypes), tuple(slot_state), ptrs, sizes)
+
+
 def _words(
     w: np.ndarray,
     result: VerifyResult,
-    tensors: dict[str, torch.Tensor],
+    tensors: _StepTensors,
     num_reqs: int,
     capture: bool = False,
 ) -> None:
     """The step's table (:data:`_WORDS` int64) into ``w``: its flags, outputs, rows and the
-    body's copy entries. ``capture``: the table of a capture's warm-up, which runs prologue and
-    body once eagerly whatever the flags -- no flag copied, no answer written (the step's
-    outputs untouched). Every step writes it (host time: a few slice assignments)."""
-    logits = tensors["logits"]
-    num_logits, vocab = logits.shape
-    span = (
-        ((num_logits - 1) * logits.stride(0) + vocab) * logits.element_size() if num_logits else 0
-    )
-    ts = [tensors.get(name) for name in _COPIED[1:]]
+    body's copy entries (the static addresses between them left as they are). ``capture``: the
+    table of a capture's warm-up, which runs prologue and body once eagerly whatever the flags
+    -- no flag copied, no answer written (the step's outputs untouched). Every step writes it
+    (host time: four slice assignments)."""
     answered = 0 if capture else num_reqs
     flags = result.fallback.data_ptr()
     w[_FLAGS] = flags
-    w[_FLAGS + 2] = answered
-    w[_APPLY:_BODY] = (
-        answered, result.sampled.data_ptr(), result.num_sampled.data_ptr(),
-        result.num_rejected.data_ptr(), flags, result.reason.data_ptr(), num_logits, num_reqs,
+    w[_FLAGS + 2 : _BODY] = (  # the flags' count, then _APPLY (== _FLAGS + 3) .. _NUM_REQS
+        answered, answered, result.sampled.data_ptr(), result.num_sampled.data_ptr(),
+        result.num_rejected.data_ptr(), flags, result.reason.data_ptr(), tensors.num_logits,
+        num_reqs,
     )  # fmt: skip
-    w[_BODY:_WORDS:3] = [logits.data_ptr()] + [0 if t is None else t.data_ptr() for t in ts]
-    w[_BODY + 2 : _WORDS : 3] = [span] + [0 if t is None else t.nbytes for t in ts]
+    w[_BODY:_WORDS:3] = tensors.ptrs
+    w[_BODY + 2 : _WORDS : 3] = tensors.sizes
 
 
 class _Fold:
@@ -340,7 +393,7 @@ class _Fold:
         self,
         fallback: DeviceFallback,
         key: tuple[Any, ...],
-        tensors: dict[str, torch.Tensor],
+        tensors: _StepTensors,
         num_reqs: int,
         step: dict[str, Any],
     ) -> None:
@@ -455,14 +508,18 @@ class DeviceFallback:
         _check_result(result, step)
         outs = (result.sampled, result.num_sampled, result.num_rejected, result.fallback,
                 result.reason)  # fmt: skip
-        tensors = self._tensors(logits, step)
+        tensors = _StepTensors.of(logits, step)
         key = None
-        if step.get("synthetic_conditional_rates") is None and all(
-            t.dtype == d and t.device == device and t.is_contiguous()
-            for t, d in zip(outs, _APPLY_DTYPES, strict=True)
+        if (
+            tensors is not None
+            and step.get("synthetic_conditional_rates") is None
+            and all(
+                t.dtype == d and t.device == device and t.is_contiguous()
+                for t, d in zip(outs, _APPLY_DTYPES, strict=True)
+            )
         ):
             key = self._key(logits, tensors, step, num_reqs)
-        if key is None:
+        if tensors is None or key is None:
             self.stats["host_read"] += 1
             return False
         with self._lock:
@@ -477,7 +534,7 @@ class DeviceFallback:
                         self._seen.popitem(last=False)
                     self.stats["host_read"] += 1
                     return False
-                b = self._new_bucket(key, logits, tensors)
+                b = self._new_bucket(key, tensors)
             self._buckets.move_to_end(key)
             if b.failed:
                 self.stats["host_read"] += 1
@@ -531,7 +588,9 @@ class DeviceFallback:
         if step.get("checks", True):
             self.chain._check_logits(logits)
             self._checks(logits, step)
-        tensors = self._tensors(logits, step)
+        tensors = _StepTensors.of(logits, step)
+        if tensors is None:
+            return None
         key = self._key(logits, tensors, step, num_reqs)
         if key is None:
             return None
@@ -555,7 +614,7 @@ class DeviceFallback:
         with self._lock:
             b = self._buckets.get(fold.bucket)
             if b is None:
-                b = self._new_bucket(fold.bucket, fold.tensors["logits"], fold.tensors)
+                b = self._new_bucket(fold.bucket, fold.tensors)
             self._buckets.move_to_end(fold.bucket)
         flags = result.fallback
 
@@ -579,20 +638,11 @@ class DeviceFallback:
             step.get("num_logprobs"), step.get("watermark_key"),
         )  # fmt: skip
 
-    @staticmethod
-    def _tensors(logits: torch.Tensor, step: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The step's tensors the body copies, by name."""
-        return {"logits": logits, "cu_num_logits": step["cu_num_logits"],
-                **{name: step[name] for name in _ROWS + _REQS},
-                **{name: t for name in _PERSISTENT if (t := step.get(name)) is not None}}  # fmt: skip
-
-    def _new_bucket(
-        self, key: tuple[Any, ...], logits: torch.Tensor, tensors: dict[str, torch.Tensor]
-    ) -> _Bucket:
+    def _new_bucket(self, key: tuple[Any, ...], tensors: _StepTensors) -> _Bucket:
         """A new signature's bucket, least recently used out (under the lock)."""
         if len(self._buckets) >= MAX_GRAPHS:
             self._buckets.popitem(last=False)
-        b = self._buckets[key] = self._bucket(key, logits, tensors)
+        b = self._buckets[key] = self._bucket(key, tensors.by_name)
         self.stats["signatures"] += 1
         return b
 
@@ -612,30 +662,13 @@ class DeviceFallback:
     def _key(
         self,
         logits: torch.Tensor,
-        tensors: dict[str, torch.Tensor],
+        tensors: _StepTensors,
         step: dict[str, Any],
         num_reqs: int,
     ) -> tuple[Any, ...] | None:
-        """The step's signature (module docstring), or None when the body cannot copy its
-        tensors or its bucket exceeds vLLM's chunk."""
-        if logits.dim() != 2:
-            return None
+        """The step's signature (module docstring) from its tensors (:meth:`_StepTensors.of`),
+        or None when its bucket exceeds vLLM's chunk."""
         num_logits, vocab = logits.shape
-        row, col = logits.stride()
-        if col != 1 or (num_logits > 1 and row < vocab):  # broadcast or overlapping rows
-            return None
-        # one pass over the step's other tensors: vLLM's per-slot ones by name, dtype and
-        # length; the per-row / per-request ones by dtype (their length is the bucket's)
-        slot_state, dtypes = [], []
-        for name, t in tensors.items():
-            if name == "logits":
-                continue
-            if not t.is_contiguous():
-                return None
-            if name in _PERSISTENT:
-                slot_state.append((name, t.dtype, t.shape[0]))
-            else:
-                dtypes.append(t.dtype)
         k = int(step["num_speculative_steps"])
         limit = self.chain.max_chunk_rows or max_chunk_logits(vocab)
         reqs = _pow2(num_reqs)
@@ -647,8 +680,8 @@ class DeviceFallback:
             gates = self._gates(slots, values, step, rows)
         if num_logits + reqs - num_reqs > rows or rows > limit:
             return None
-        return (reqs, rows, k, vocab, logits.dtype, max(row, vocab),  # width
-                tuple(slot_state), tuple(dtypes), gates,
+        return (reqs, rows, k, vocab, logits.dtype, max(logits.stride(0), vocab),  # width
+                tensors.slot_state, tensors.dtypes, gates,
                 bool(step.get("use_fp64_gumbel", False)))  # fmt: skip
 
     @staticmethod
@@ -681,12 +714,11 @@ class DeviceFallback:
             )
         return got
 
-    def _bucket(
-        self, key: tuple[Any, ...], logits: torch.Tensor, tensors: dict[str, torch.Tensor]
-    ) -> _Bucket:
+    def _bucket(self, key: tuple[Any, ...], tensors: dict[str, torch.Tensor]) -> _Bucket:
         """A signature's static buffers; its logits a view of the shared buffer of its
         vocabulary, dtype and row stride (grown, never shrunk, to the largest bucket)."""
         reqs, rows, _, vocab, dtype, width = key[:6]
+        logits = tensors["logits"]
         # the largest buffer a live bucket of this vocabulary, dtype and width holds (evicted
         # buckets free theirs once no folded graph holds them; a larger bucket gets a new one,
         # the older ones keep theirs)
