@@ -535,8 +535,9 @@ def topp_fold_routing(runner: Any, input_batch: Any, device: torch.device) -> bo
     batch per row count), tokens/s against vLLM's chain at 4 / 32 / 96 / 256 / 512 rows: H100
     (b5bb75f, ``benchmarks/results/sm90/engine_b5bb75f``) -4.3 / +12.4 / -0.4 / +43.3 / +23.3 %;
     H200 (efb9dd5, ``engine_compact/h200_top_p``) -2.0 / +14.9 / -1.7 / +41.3 / +20.3 % -- behind
-    or level at 4 rows (one request: the level-histogram kernels and the fold's predicate take
-    ~40 us more GPU time than vLLM's chain) and at 96 rows (one request of 24 flagged on every
+    or level at 4 rows (one request: the level-histogram kernels and the fold's predicate took
+    ~40 us more GPU time than vLLM's chain; with the replay's split rounds decided eight pivots
+    at once, 15 us more and -0.2 % in tokens/s on an H100, CHANGELOG) and at 96 rows (one request of 24 flagged on every
     step, resolved by vLLM's monolithic top-p kernel), ahead elsewhere; every request == vLLM's.
     False for other values of ``$SHARDMAX_VLLM_SAMPLED`` (``1`` routes every sampled step, ``0``
     none), for steps of more logits rows than one vLLM chunk (the candidate path's), for vLLM's
