@@ -354,8 +354,11 @@ def test_plan_equals_the_functions() -> None:
 @pytest.mark.parametrize("pipeline", [Pipeline.SPLIT, Pipeline.SPLIT_V032])
 def test_split_rounds_any_pivot_block(pipeline: Pipeline) -> None:
     """A split round's eight pivots decided 8, 4, 2 or 1 at a time (``PIVOTS``), and the ranks'
-    records merged 1, 2 or 4 at a time (``PARTS``): the same kept sets and statistics, bit for
-    bit, on rows that meet branch points, margin flags and boundary ties (planted top-p)."""
+    records merged 1, 2 or 4 at a time (``PARTS``): the same kept sets bit for bit and ``m``
+    exactly (``z`` and the kept sums to 1e-12: their fp64 sums follow ``PARTS``), on rows that
+    meet margin flags and boundary ties (planted top-p); the default's answers are the
+    reference's (:func:`test_kept_sets_match_reference`). A ``PIVOTS`` that does not divide 8
+    does not compile."""
     from shardmax.runtime.kernels import kernel
 
     vocab, tp = 5750, 3
@@ -376,6 +379,11 @@ def test_split_rounds_any_pivot_block(pipeline: Pipeline) -> None:
             PIPELINE=int(pipeline), LEVELS=512, PARTS=parts, PIVOTS=pivots,
         )  # fmt: skip
         got[(pivots, parts)] = (kept, stat)
+    with pytest.raises(Exception, match="PIVOTS"):
+        kernel("topp_replay_bf16")(
+            (rows,), recs, temp, top_p, SIGMA, kept, stat, rows, recs.stride(0), tp, 8192,
+            PIPELINE=int(pipeline), LEVELS=512, PARTS=4, PIVOTS=16,
+        )  # fmt: skip
     want = topp_kept_sets(recs, temp, top_p, SIGMA, dtype=x.dtype, pipeline=pipeline)
     reasons = set(want[0][:, 0].tolist())
     assert {0, ReplayReason.MASS_MARGIN} <= reasons, reasons  # more than the easy path

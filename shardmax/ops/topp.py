@@ -174,6 +174,10 @@ def merge_block(parts: int) -> int:
     return min(TOPP_MERGE_PARTS, triton.next_power_of_2(max(int(parts), 1)))
 
 
+if TOPP_SPLIT_PIVOTS not in (1, 2, 4, 8):  # a round would decide no pivot: top-p off, unflagged
+    raise ValueError(f"TOPP_SPLIT_PIVOTS: {TOPP_SPLIT_PIVOTS}, expected 1, 2, 4 or 8")
+
+
 def topp_hist_splits(rows: int, width: int, block: int, device: torch.device) -> int:
     """Column splits per row :func:`topp_histograms` uses by default: about
     ``TOPP_HIST_TARGET_PROGRAMS`` programs, at least two ``block`` tiles each (a function of the
@@ -295,7 +299,9 @@ def topp_kept_sets(
             rows (:func:`~shardmax.reference.nucleus_replay.pipeline_for`).
         tile0: the monolithic kernel's first-tile width (as given to :func:`topp_histograms`).
         out: optional ``(kept, stat)`` buffers to write into (no allocation).
-        num_warps: warps per row (default: the variant's ``NUM_WARPS``).
+        num_warps: warps per row (default: :data:`~shardmax.runtime.defaults.
+            TOPP_SPLIT_REPLAY_WARPS` on the split pipelines, the variant's ``NUM_WARPS`` on the
+            monolithic one).
         check_values: read ``top_p`` / ``temperature`` on the host and raise for values vLLM
             refuses (a device sync; without it such rows get reason 8).
 
