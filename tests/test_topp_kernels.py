@@ -351,48 +351,6 @@ def test_plan_equals_the_functions() -> None:
                  pipeline=Pipeline.SPLIT, sigma=SIGMA, device=x.device)  # fmt: skip
 
 
-@pytest.mark.parametrize("pipeline", [Pipeline.SPLIT, Pipeline.SPLIT_V032])
-def test_split_rounds_any_pivot_block(pipeline: Pipeline) -> None:
-    """A split round's eight pivots decided 8, 4, 2 or 1 at a time (``PIVOTS``), and the ranks'
-    records merged 1, 2 or 4 at a time (``PARTS``): the same kept sets bit for bit and ``m``
-    exactly (``z`` and the kept sums to 1e-12: their fp64 sums follow ``PARTS``), on rows that
-    meet margin flags and boundary ties (planted top-p); the default's answers are the
-    reference's (:func:`test_kept_sets_match_reference`). A ``PIVOTS`` that does not divide 8
-    does not compile."""
-    from shardmax.runtime.kernels import kernel
-
-    vocab, tp = 5750, 3
-    x = _rows(vocab, torch.bfloat16, seed=23)
-    rows = x.shape[0]
-    temp = _temps(rows)
-    top_p = torch.tensor([(0.95, 0.8, 0.5, 0.99, 1.0, 0.95)[i % 6] for i in range(rows)])
-    gen = torch.Generator().manual_seed(23)
-    for i, p in _planted_top_p(x, temp, range(LM_ROWS, LM_ROWS + HOT_ROWS), gen).items():
-        top_p[i] = p
-    recs = torch.stack(_records(x, temp, tp, 8192, 2048))
-    got = {}
-    for pivots, parts in [(8, 4), (4, 1), (2, 2), (1, 4)]:
-        kept = torch.full((rows, KEPT_WORDS), -7, dtype=torch.int32)
-        stat = torch.full((rows, STAT_WORDS), -7.0, dtype=torch.float64)
-        kernel("topp_replay_bf16")(
-            (rows,), recs, temp, top_p, SIGMA, kept, stat, rows, recs.stride(0), tp, 8192,
-            PIPELINE=int(pipeline), LEVELS=512, PARTS=parts, PIVOTS=pivots,
-        )  # fmt: skip
-        got[(pivots, parts)] = (kept, stat)
-    with pytest.raises(Exception, match="PIVOTS"):
-        kernel("topp_replay_bf16")(
-            (rows,), recs, temp, top_p, SIGMA, kept, stat, rows, recs.stride(0), tp, 8192,
-            PIPELINE=int(pipeline), LEVELS=512, PARTS=4, PIVOTS=16,
-        )  # fmt: skip
-    want = topp_kept_sets(recs, temp, top_p, SIGMA, dtype=x.dtype, pipeline=pipeline)
-    reasons = set(want[0][:, 0].tolist())
-    assert {0, ReplayReason.MASS_MARGIN} <= reasons, reasons  # more than the easy path
-    for key, (kept, stat) in got.items():
-        assert torch.equal(kept, want[0]), key
-        assert torch.equal(stat[:, 0], want[1][:, 0]), key  # m: exact
-        assert torch.allclose(stat[:, 1:], want[1][:, 1:], rtol=1e-12, atol=0.0), key
-
-
 def test_empty_batch() -> None:
     x = torch.zeros(0, 64, dtype=torch.bfloat16)
     rec = topp_histograms(x, torch.ones(0), num_valid=64, vocab_start=0)

@@ -54,16 +54,6 @@ TOPP_HIST_TARGET_PROGRAMS = 528
 in a splits sweep on one H200 (benchmarks/topp_kernels.py, bf16, 32 and 160 rows, shards of
 19k-100k columns) 4 splits per row at 160 rows and 4-8 at 32 rows were fastest, 2 (the record
 kernel's target) 10-30 % slower. Untuned default until the tuner covers the family."""
-TOPP_MERGE_PARTS = 8
-"""Most records ``merge_parts`` merges at once (``PARTS`` of ``topp_combine`` / ``topp_replay``:
-the next power of two of the row's splits / ranks, at most this; more in turn). Untuned."""
-TOPP_SPLIT_REPLAY_WARPS = 8
-"""Warps of ``topp_replay`` on vLLM's split pipelines, which decide a round's pivots
-:data:`TOPP_SPLIT_PIVOTS` at a time (``[pivots, LEVELS]`` fp64 tiles). The monolithic search
-keeps the variant's ``NUM_WARPS``. Untuned default until the tuner covers the family."""
-TOPP_SPLIT_PIVOTS = 8
-"""Pivots of a split round's eight ``topp_replay`` decides at once (8, 4, 2 or 1; any gives
-the same answers). Untuned default until the tuner covers the family."""
 CANDIDATE_CHOICES = (32, 64, 128)
 """The C a table row may select (the tuner's ``candidates`` axis)."""
 SPLIT_PIPELINE_MAX_ROWS = 64
