@@ -31,9 +31,30 @@ from .aot import LOCAL_FAMILIES
 
 TABLE_OPS = ("argmax", "verify", "sampled")
 
-KNOWN_SPILLS: dict[str, dict[str, str]] = {"sm90": {}, "gfx950": {}}
+_SPLIT_REPLAY = (
+    "the split top-p search decides a round's eight pivots on [8, LEVELS] fp64 tiles; with the "
+    "spill it took 67.1 / 51.8 us at 4 / 32 rows on an H100 against 96.0 / 69.1 for one pivot "
+    "at a time, which spills nothing; a form deciding 4 at a time spilled nothing but also "
+    "changed the merge and q lookups and took 2x in the engine loop (H200), not yet isolated"
+)
+_COMBINE_PARTS4 = (
+    "8 B of stack merging 4 split records at once at 8 warps; measured with it (H100, 160 rows, "
+    "4 splits per row): 4.7 us against 7.5 for one at a time, which spills nothing"
+)
+KNOWN_SPILLS: dict[str, dict[str, str]] = {
+    "sm90": {
+        **{
+            f"topp_replay_{d}[{c}]": _SPLIT_REPLAY
+            for d in ("bf16", "fp16")
+            for c in ("split", "split_v032")
+        },
+        **{f"topp_combine_{d}[parts4]": _COMBINE_PARTS4 for d in ("bf16", "fp16")},
+    },
+    "gfx950": {},
+}
 """Spills of selectable launches that are known and accepted for now, per arch, with why (keys:
-:func:`launch_name`). Empty: no launch a table can select spills to memory on either arch. (The
+:func:`launch_name`): on sm90 the split top-p replay's and the top-p combine's of 4 splits
+(gfx950 compiles them without a memory spill). (The
 gfx950 entries this once held -- every ``sampled_record_*_b2048`` and ``sampled_finish_tp{2,4,8}``
 -- were SGPR spills into VGPR lanes, no memory traffic, which the report counted as bytes; they
 are ``sgpr_spills`` now, see :mod:`generator.aot`.)"""

@@ -351,6 +351,41 @@ def test_plan_equals_the_functions() -> None:
                  pipeline=Pipeline.SPLIT, sigma=SIGMA, device=x.device)  # fmt: skip
 
 
+def test_combine_any_parts_block() -> None:
+    """``topp_combine`` merging a row's split records 1, 2, 4 or 8 at a time (``PARTS``; 5
+    splits: partial blocks, masked lanes; rows with no finite value in some splits): the same
+    counts, top key, flags, max and min bit for bit, the same sums to fp32 rounding (their fp64
+    tree follows ``PARTS``) -- and the default launch (8 at a time: one block, three lanes
+    masked) is :func:`shard_histogram`'s record, as in :func:`test_records_match_reference`."""
+    from shardmax.ops.topp import merge_block
+    from shardmax.runtime.kernels import kernel
+
+    x = _rows(9000, torch.bfloat16, seed=31)
+    rows, splits = x.shape[0], 5
+    temp = _temps(rows)
+    scratch = torch.empty((splits * rows, RECORD_WORDS), dtype=torch.int32)
+    want = topp_histograms(x, temp, num_valid=9000, vocab_start=0, block=2048, splits=splits,
+                           scratch=scratch)  # fmt: skip
+    assert merge_block(splits) == 8
+    head = RECORD_WORDS - 8  # counts, then: top, flags, m, z, tail, min, t0 sum, t0 sum sq
+    exact = [*range(head + 3), head + 5]
+    sums = [head + 3, head + 4, head + 6, head + 7]
+    for parts in (1, 2, 4, 8):
+        got = torch.full_like(want, -7)
+        kernel("topp_combine_bf16")(
+            (rows,), scratch, temp, got, rows, splits, LEVELS=512, PARTS=parts
+        )  # fmt: skip
+        assert torch.equal(got[:, exact], want[:, exact]), parts
+        g, w = (t[:, sums].contiguous().view(torch.float32) for t in (got, want))
+        assert torch.allclose(g, w, rtol=1e-6, atol=0.0), parts
+    for i in range(rows):
+        got, ref = decode_record(want[i]), shard_histogram(x[i], 0, float(temp[i]), tile0=8192)
+        assert np.array_equal(got.counts, ref.counts) and got.nonfinite == ref.nonfinite, i
+        assert (got.top_key, got.m, got.min_value) == (ref.top_key, ref.m, ref.min_value), i
+        assert got.s == pytest.approx(ref.s, rel=1e-6), i
+        assert got.tail_s == pytest.approx(ref.tail_s, rel=1e-6, abs=1e-30), i
+
+
 def test_empty_batch() -> None:
     x = torch.zeros(0, 64, dtype=torch.bfloat16)
     rec = topp_histograms(x, torch.ones(0), num_valid=64, vocab_start=0)

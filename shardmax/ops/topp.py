@@ -25,7 +25,12 @@ import torch
 import triton
 
 from shardmax.reference.nucleus_replay import HIST_LEVELS, Pipeline
-from shardmax.runtime.defaults import TOPP_HIST_TARGET_PROGRAMS, default_record_splits
+from shardmax.runtime.defaults import (
+    TOPP_HIST_TARGET_PROGRAMS,
+    TOPP_MERGE_PARTS,
+    TOPP_SPLIT_REPLAY_WARPS,
+    default_record_splits,
+)
 from shardmax.runtime.indirect import logits_arg
 from shardmax.runtime.kernels import kernel
 from shardmax.runtime.variants import VariantKey
@@ -130,8 +135,9 @@ def _launch_local(
     )  # fmt: skip
     if splits > 1:
         kernel(VariantKey("topp_combine", dtype=dtype_name).name)(
-            (rows,), dest, temperature, out, rows, splits, LEVELS=HIST_LEVELS
-        )
+            (rows,), dest, temperature, out, rows, splits, LEVELS=HIST_LEVELS,
+            PARTS=merge_block(splits),
+        )  # fmt: skip
 
 
 def _launch_replay(
@@ -147,13 +153,23 @@ def _launch_replay(
     tile0: int,
     num_warps: int | None = None,
 ) -> None:
-    """``topp_replay``'s launch on checked arguments."""
+    """``topp_replay``'s launch on checked arguments (``num_warps`` None: the split pipelines
+    at :data:`~shardmax.runtime.defaults.TOPP_SPLIT_REPLAY_WARPS`, the monolithic one at the
+    variant's own)."""
     tp, rows = records.shape[:2]
+    if num_warps is None and pipeline != Pipeline.MONOLITHIC:
+        num_warps = TOPP_SPLIT_REPLAY_WARPS
     kernel(VariantKey("topp_replay", dtype=dtype_name).name)(
         (rows,), records, temperature, top_p, sigma, kept, stat, rows, records.stride(0), tp, tile0,
         PIPELINE=int(pipeline), LEVELS=HIST_LEVELS,
         **({} if num_warps is None else {"num_warps": num_warps}),
     )  # fmt: skip
+
+
+def merge_block(parts: int) -> int:
+    """``PARTS`` of ``topp_combine``'s merge of ``parts`` split records per row: the next power
+    of two, at most :data:`~shardmax.runtime.defaults.TOPP_MERGE_PARTS`."""
+    return min(TOPP_MERGE_PARTS, triton.next_power_of_2(max(int(parts), 1)))
 
 
 def topp_hist_splits(rows: int, width: int, block: int, device: torch.device) -> int:
@@ -277,7 +293,9 @@ def topp_kept_sets(
             rows (:func:`~shardmax.reference.nucleus_replay.pipeline_for`).
         tile0: the monolithic kernel's first-tile width (as given to :func:`topp_histograms`).
         out: optional ``(kept, stat)`` buffers to write into (no allocation).
-        num_warps: warps per row (default: the variant's ``NUM_WARPS``).
+        num_warps: warps per row (default: :data:`~shardmax.runtime.defaults.
+            TOPP_SPLIT_REPLAY_WARPS` on the split pipelines, the variant's ``NUM_WARPS`` on the
+            monolithic one).
         check_values: read ``top_p`` / ``temperature`` on the host and raise for values vLLM
             refuses (a device sync; without it such rows get reason 8).
 

@@ -54,6 +54,17 @@ TOPP_HIST_TARGET_PROGRAMS = 528
 in a splits sweep on one H200 (benchmarks/topp_kernels.py, bf16, 32 and 160 rows, shards of
 19k-100k columns) 4 splits per row at 160 rows and 4-8 at 32 rows were fastest, 2 (the record
 kernel's target) 10-30 % slower. Untuned default until the tuner covers the family."""
+TOPP_MERGE_PARTS = 8
+"""Most split records ``topp_combine`` merges at once (its ``PARTS``: the next power of two of
+the row's splits, at most this; more in turn). On one H200 in the engine loop (V = 200064, TP
+1, 16 splits per row) 8 at 8 warps took 8.8 / 15.5 us at 4 / 32 rows against 16.6 / 20.4 for
+one at a time at 2 warps; on an H100 (benchmarks/topp_kernels.py traffic) 8 at 8 warps was the
+fastest of PARTS 1-16 x warps 2-8 at 16 splits (8.9 against 17.2-24.8 us one at a time), and at
+160 rows' 4 splits all 4 at once at 8 warps took 4.7 us against 7.5. Untuned default until the
+tuner covers the family."""
+TOPP_SPLIT_REPLAY_WARPS = 4
+"""Warps of ``topp_replay`` on vLLM's split pipelines (the monolithic search keeps the
+variant's ``NUM_WARPS``). Untuned default until the tuner covers the family."""
 CANDIDATE_CHOICES = (32, 64, 128)
 """The C a table row may select (the tuner's ``candidates`` axis)."""
 SPLIT_PIPELINE_MAX_ROWS = 64
