@@ -151,8 +151,9 @@ def merge_parts(rec_ptr, part_words, parts, row, tdiv, LEVELS: tl.constexpr, PAR
     bad, counts, z, tail, min, n0, t0_sum, t0_sumsq, saturated)``: ``top`` -1 when no part holds
     a finite value, ``m`` fp64, ``counts`` int32 ``[LEVELS]`` (the last slot 0), ``z`` /
     ``tail`` fp64 sums of ``exp(x - m)`` (summed as a tree: their last bits depend on
-    ``PARTS`` and the launch's warps -- the tree's shape --, never on the data's timing), ``saturated`` when a part's count reached 65535 or
-    its record says one of its own parts' did."""
+    ``PARTS`` and the launch's warps -- the tree's shape --, never on the data's timing),
+    ``saturated`` when a part's count reached 65535 or its record says one of its own parts'
+    did."""
     WORDS: tl.constexpr = LEVELS // 2 + 8
     HEAD: tl.constexpr = LEVELS // 2
     NEG_INF_BITS: tl.constexpr = -8388608  # fp32 -inf as int32 (0xFF800000)

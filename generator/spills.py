@@ -34,7 +34,7 @@ TABLE_OPS = ("argmax", "verify", "sampled")
 _SPLIT_REPLAY = (
     "the split top-p search decides a round's eight pivots on [8, LEVELS] fp64 tiles; with the "
     "spill it took 67.1 / 51.8 us at 4 / 32 rows on an H100 against 96.0 / 69.1 for one pivot "
-    "at a time, which spills nothing; a form deciding 4 at a time spilled nothing but also "
+    "at a time (whose spills no report compiled); a form deciding 4 at a time spilled nothing but also "
     "changed the merge and q lookups and took 2x in the engine loop (H200), not yet isolated"
 )
 _COMBINE_PARTS4 = (

@@ -58,10 +58,10 @@ TOPP_MERGE_PARTS = 8
 """Most split records ``topp_combine`` merges at once (its ``PARTS``: the next power of two of
 the row's splits, at most this; more in turn). On one H200 in the engine loop (V = 200064, TP
 1, 16 splits per row) 8 at 8 warps took 8.8 us at 4 rows against 16.6 for one at a time at 2
-warps, 9.1-16.2 against 20.4-24.0 at 32 rows (benchmarks/results/sm90/topp_merge_ab); on an H100 (benchmarks/topp_kernels.py traffic) 8 at 8 warps was the
-fastest of PARTS 1-16 x warps 2-8 at 16 splits (8.9 against 17.2-24.8 us one at a time), and at
-160 rows' 4 splits all 4 at once at 8 warps took 4.7 us against 7.5. Untuned default until the
-tuner covers the family."""
+warps, 9.1-16.2 against 20.4-24.0 at 32 rows (benchmarks/results/sm90/topp_merge_ab); on an
+H100 (benchmarks/topp_kernels.py traffic) 8 at 8 warps was the fastest of PARTS 1-16 x warps
+2-8 at 16 splits (8.9 against 17.2-24.8 us one at a time), and at 160 rows' 4 splits all 4 at
+once at 8 warps took 4.7 us against 7.5. Untuned default until the tuner covers the family."""
 TOPP_SPLIT_REPLAY_WARPS = 4
 """Warps of ``topp_replay`` on vLLM's split pipelines (the monolithic search keeps the
 variant's ``NUM_WARPS``). Untuned default until the tuner covers the family."""

@@ -537,8 +537,9 @@ def topp_fold_routing(runner: Any, input_batch: Any, device: torch.device) -> bo
     H200 (efb9dd5, ``engine_compact/h200_top_p``) -2.0 / +14.9 / -1.7 / +41.3 / +20.3 % -- behind
     or level at 4 rows (one request: the level-histogram kernels and the fold's predicate took
     ~40 us more GPU time than vLLM's chain; with the replay's split rounds decided eight pivots
-    at once, 15 us more and -0.2 % in tokens/s on an H100, CHANGELOG) and at 96 rows (one request of 24 flagged on every
-    step, resolved by vLLM's monolithic top-p kernel), ahead elsewhere; every request == vLLM's.
+    at once, 15 us more and -0.2 % in tokens/s on an H100, CHANGELOG) and at 96 rows (one
+    request of 24 flagged on every step, resolved by vLLM's monolithic top-p kernel), ahead
+    elsewhere; every request == vLLM's.
     False for other values of ``$SHARDMAX_VLLM_SAMPLED`` (``1`` routes every sampled step, ``0``
     none), for steps of more logits rows than one vLLM chunk (the candidate path's), for vLLM's
     synthetic rejection method (the fold refuses it) and wherever the fold is unavailable (the
