@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from shardmax.runtime.defaults import DEFAULT_RECORD_BLOCK, DRAW_WARPS
+from shardmax.runtime.defaults import DEFAULT_RECORD_BLOCK, DRAW_WARPS, TOPP_SPLIT_REPLAY_WARPS
 from shardmax.runtime.variants import DTYPES, VariantKey, parse_name
 
 from .aot import LOCAL_FAMILIES
@@ -32,10 +32,14 @@ from .aot import LOCAL_FAMILIES
 TABLE_OPS = ("argmax", "verify", "sampled")
 
 _SPLIT_REPLAY = (
-    "the split top-p search decides a round's eight pivots on [8, LEVELS] fp64 tiles; with the "
-    "spill it took 67.1 / 51.8 us at 4 / 32 rows on an H100 against 96.0 / 69.1 for one pivot "
-    "at a time (whose spills no report compiled); a form deciding 4 at a time spilled nothing but also "
-    "changed the merge and q lookups and took 2x in the engine loop (H200), not yet isolated"
+    "56 B of stack in the split top-p search at 8 warps (544-556 B at 4), which decides a "
+    "round's eight pivots on [8, LEVELS] fp64 tiles; in the engine loop on an H100 (V = 200064, "
+    "TP 1) it took 59.5 / 59.7 us at 4 / 32 rows against 78.3 / 78.3 at 4 warps, results equal; "
+    "one pivot at a time took 96.0 / 69.1 and a form deciding 4 at a time 2x in the engine loop"
+)
+_SPLIT_REPLAY_GFX950 = (
+    "16 B of stack in the split top-p search at the 8 warps measured on sm90 (untuned on gfx950: "
+    "no AMD GPU to time it on)"
 )
 _COMBINE_PARTS4 = (
     "8 B of stack merging 4 split records at once at 8 warps; measured with it (H100, 160 rows, "
@@ -44,20 +48,31 @@ _COMBINE_PARTS4 = (
 KNOWN_SPILLS: dict[str, dict[str, str]] = {
     "sm90": {
         **{
-            f"topp_replay_{d}[{c}]": _SPLIT_REPLAY
+            f"topp_replay_{d}@w8[{c}]": _SPLIT_REPLAY
             for d in ("bf16", "fp16")
             for c in ("split", "split_v032")
         },
         **{f"topp_combine_{d}[parts4]": _COMBINE_PARTS4 for d in ("bf16", "fp16")},
     },
-    "gfx950": {},
+    "gfx950": {
+        f"topp_replay_{d}@w8[{c}]": _SPLIT_REPLAY_GFX950
+        for d in ("bf16", "fp16")
+        for c in ("split", "split_v032")
+    },
 }
 """Spills of selectable launches that are known and accepted for now, per arch, with why (keys:
-:func:`launch_name`): on sm90 the split top-p replay's and the top-p combine's of 4 splits
-(gfx950 compiles them without a memory spill). (The
+:func:`launch_name`): the split top-p searches at 8 warps (both arches) and, on sm90, the
+top-p combine's of 4 splits. (The
 gfx950 entries this once held -- every ``sampled_record_*_b2048`` and ``sampled_finish_tp{2,4,8}``
 -- were SGPR spills into VGPR lanes, no memory traffic, which the report counted as bytes; they
 are ``sgpr_spills`` now, see :mod:`generator.aot`.)"""
+
+CONFIG_WARPS: dict[tuple[str, str], int] = {
+    ("topp_replay", "split"): TOPP_SPLIT_REPLAY_WARPS,
+    ("topp_replay", "split_v032"): TOPP_SPLIT_REPLAY_WARPS,
+}
+"""``(family, config)`` a launch makes at warps of its own rather than its variant's: the split
+top-p searches (:func:`shardmax.ops.topp.topp_replay`'s launch)."""
 
 PHASE1 = "phase1"
 """Prefix of the record kernel's phase-1 constexpr sets (``CONFIGS`` of ``sampled_record_*``:
@@ -102,10 +117,11 @@ def selected_launches(out: Path, arch: str, variants: dict[str, dict[str, Any]])
     """The launches (of the report's ``variants``: ``{name: record}``) the runtime can make on
     ``arch`` given the tables in ``out/<arch>/`` (see the module docstring): every (variant,
     warps) below with its default constexprs and with every constexpr set of its module's
-    ``CONFIGS`` (the report's ``configs``) -- a ``sampled`` row's own record launch also runs
-    phase 1 of every two-phase step without a ``phase1`` entry and of every top-p step
-    (``[phase1]``, ``[phase1_topp]``); the draw kernel and the finishes have top-p and two-phase
-    sets -- except a row's ``phase1`` launch, which runs only the phase-1 sets."""
+    ``CONFIGS`` (the report's ``configs``; at :data:`CONFIG_WARPS` where that names the set)
+    -- a ``sampled`` row's own record launch also runs phase 1 of every two-phase step without
+    a ``phase1`` entry and of every top-p step (``[phase1]``, ``[phase1_topp]``); the draw kernel
+    and the finishes have top-p and two-phase sets -- except a row's ``phase1`` launch, which
+    runs only the phase-1 sets."""
     from shardmax.runtime.defaults import default_num_warps
 
     base: set[tuple[str, int]] = set()  # every constexpr set
@@ -143,9 +159,10 @@ def selected_launches(out: Path, arch: str, variants: dict[str, dict[str, Any]])
         whole = (name, warps) in base
         if whole:
             chosen.add(Launch(name, warps))
+        family = parse_name(name).family
         for c in variants[name].get("configs", {}):
             if whole or c.startswith(PHASE1):
-                chosen.add(Launch(name, warps, c))
+                chosen.add(Launch(name, CONFIG_WARPS.get((family, c), warps), c))
     return chosen
 
 

@@ -62,9 +62,13 @@ warps, 9.1-16.2 against 20.4-24.0 at 32 rows (benchmarks/results/sm90/topp_merge
 H100 (benchmarks/topp_kernels.py traffic) 8 at 8 warps was the fastest of PARTS 1-16 x warps
 2-8 at 16 splits (8.9 against 17.2-24.8 us one at a time), and at 160 rows' 4 splits all 4 at
 once at 8 warps took 4.7 us against 7.5. Untuned default until the tuner covers the family."""
-TOPP_SPLIT_REPLAY_WARPS = 4
+TOPP_SPLIT_REPLAY_WARPS = 8
 """Warps of ``topp_replay`` on vLLM's split pipelines (the monolithic search keeps the
-variant's ``NUM_WARPS``). Untuned default until the tuner covers the family."""
+variant's ``NUM_WARPS``). In the engine loop on an H100 (V = 200064, TP 1, `--kernels`, three
+runs) 8 warps took the split search from 78.1-78.6 to 59.5-60.4 us at 4 and 32 rows, the
+folded step's kernels from 240-242 to 203-204 us at 4 rows
+(benchmarks/results/sm90/topp_replay_warps); it spills 56 B per thread on sm90 there against
+544-556 B at 4 (``generator/spills.py``). Untuned default until the tuner covers the family."""
 CANDIDATE_CHOICES = (32, 64, 128)
 """The C a table row may select (the tuner's ``candidates`` axis)."""
 SPLIT_PIPELINE_MAX_ROWS = 64
