@@ -837,10 +837,17 @@ def _run(
                     if name in paths:
                         _profile(paths[name], f"{name} {mix} rows={reqs * (args.k + 1)}",
                                  show=rank == 0)  # fmt: skip
+            # how the device paths' steps were decided while timed (a host read counts as host
+            # time); with --churn, the first shape's steps
+            counted = {n: dict(s.calls) for n, s in paths.items() if n in device_notes}
             timed = _measure_interleaved(
                 timed_paths, forward, args.steps, reqs, args.lookahead, args.rounds,
                 warm_shapes=args.churn_warm,
             )  # fmt: skip
+            for n, before in counted.items():
+                now = paths[n].calls  # type: ignore[attr-defined]
+                delta = {k: now[k] - before[k] for k in before}
+                device_notes[n] += f"; timed loop with its warm-up: {delta}"
             shapes = churn_reqs(reqs, args.churn)
             churn = ""
             if len(shapes) > 1:
