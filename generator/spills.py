@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from shardmax.runtime.defaults import DEFAULT_RECORD_BLOCK, DRAW_WARPS, TOPP_SPLIT_REPLAY_WARPS
+from shardmax.runtime.defaults import DEFAULT_RECORD_BLOCK, DRAW_WARPS, topp_split_replay_warps
 from shardmax.runtime.variants import DTYPES, VariantKey, parse_name
 
 from .aot import LOCAL_FAMILIES
@@ -34,12 +34,8 @@ TABLE_OPS = ("argmax", "verify", "sampled")
 _SPLIT_REPLAY = (
     "56 B of stack in the split top-p search at 8 warps (544-556 B at 4), which decides a "
     "round's eight pivots on [8, LEVELS] fp64 tiles; in the engine loop on an H100 (V = 200064, "
-    "TP 1) it took 59.5 / 59.7 us at 4 / 32 rows against 78.3 / 78.3 at 4 warps, results equal; "
-    "one pivot at a time took 96.0 / 69.1 and a form deciding 4 at a time 2x in the engine loop"
-)
-_SPLIT_REPLAY_GFX950 = (
-    "16 B of stack in the split top-p search at the 8 warps measured on sm90 (untuned on gfx950: "
-    "no AMD GPU to time it on)"
+    "TP 1, four machine sessions) it took 59.0-60.4 us at 4 and 32 rows against 77.4-79.6 at 4 "
+    "warps, every request == vLLM's (benchmarks/results/sm90/topp_replay_warps)"
 )
 _COMBINE_PARTS4 = (
     "8 B of stack merging 4 split records at once at 8 warps; measured with it (H100, 160 rows, "
@@ -54,25 +50,26 @@ KNOWN_SPILLS: dict[str, dict[str, str]] = {
         },
         **{f"topp_combine_{d}[parts4]": _COMBINE_PARTS4 for d in ("bf16", "fp16")},
     },
-    "gfx950": {
-        f"topp_replay_{d}@w8[{c}]": _SPLIT_REPLAY_GFX950
-        for d in ("bf16", "fp16")
-        for c in ("split", "split_v032")
-    },
+    "gfx950": {},
 }
 """Spills of selectable launches that are known and accepted for now, per arch, with why (keys:
-:func:`launch_name`): the split top-p searches at 8 warps (both arches) and, on sm90, the
-top-p combine's of 4 splits. (The
+:func:`launch_name`): on sm90 the split top-p searches at 8 warps and the top-p combine's
+of 4 splits (gfx950 runs the searches at 4 wavefronts of 64 lanes, which do not spill). (The
 gfx950 entries this once held -- every ``sampled_record_*_b2048`` and ``sampled_finish_tp{2,4,8}``
 -- were SGPR spills into VGPR lanes, no memory traffic, which the report counted as bytes; they
 are ``sgpr_spills`` now, see :mod:`generator.aot`.)"""
 
-CONFIG_WARPS: dict[tuple[str, str], int] = {
-    ("topp_replay", "split"): TOPP_SPLIT_REPLAY_WARPS,
-    ("topp_replay", "split_v032"): TOPP_SPLIT_REPLAY_WARPS,
-}
-"""``(family, config)`` a launch makes at warps of its own rather than its variant's: the split
-top-p searches (:func:`shardmax.ops.topp.topp_replay`'s launch)."""
+SPLIT_SEARCHES = ("split", "split_v032")
+"""``topp_replay``'s constexpr sets of vLLM's split pipelines (``CONFIGS`` whose ``PIPELINE`` is not
+the monolithic one's): the runtime launches them at :func:`config_warps`' warps."""
+
+
+def config_warps(arch: str) -> dict[tuple[str, str], int]:
+    """``(family, config)`` a launch on ``arch`` makes at warps of its own rather than its
+    variant's: the split top-p searches (:func:`shardmax.ops.topp.topp_kept_sets`' launch, at
+    :func:`shardmax.runtime.defaults.topp_split_replay_warps`)."""
+    return {("topp_replay", c): topp_split_replay_warps(arch) for c in SPLIT_SEARCHES}
+
 
 PHASE1 = "phase1"
 """Prefix of the record kernel's phase-1 constexpr sets (``CONFIGS`` of ``sampled_record_*``:
@@ -117,7 +114,7 @@ def selected_launches(out: Path, arch: str, variants: dict[str, dict[str, Any]])
     """The launches (of the report's ``variants``: ``{name: record}``) the runtime can make on
     ``arch`` given the tables in ``out/<arch>/`` (see the module docstring): every (variant,
     warps) below with its default constexprs and with every constexpr set of its module's
-    ``CONFIGS`` (the report's ``configs``; at :data:`CONFIG_WARPS` where that names the set)
+    ``CONFIGS`` (the report's ``configs``; at :func:`config_warps` where that names the set)
     -- a ``sampled`` row's own record launch also runs phase 1 of every two-phase step without
     a ``phase1`` entry and of every top-p step (``[phase1]``, ``[phase1_topp]``); the draw kernel
     and the finishes have top-p and two-phase sets -- except a row's ``phase1`` launch, which
@@ -152,6 +149,7 @@ def selected_launches(out: Path, arch: str, variants: dict[str, dict[str, Any]])
     for name, entry in variants.items():
         if parse_name(name).family not in LOCAL_FAMILIES:
             base.add((name, int(entry.get("num_warps", 4))))
+    own = config_warps(arch)
     chosen: set[Launch] = set()
     for name, warps in base | phase1:
         if name not in variants:
@@ -162,7 +160,7 @@ def selected_launches(out: Path, arch: str, variants: dict[str, dict[str, Any]])
         family = parse_name(name).family
         for c in variants[name].get("configs", {}):
             if whole or c.startswith(PHASE1):
-                chosen.add(Launch(name, CONFIG_WARPS.get((family, c), warps), c))
+                chosen.add(Launch(name, own.get((family, c), warps), c))
     return chosen
 
 

@@ -166,7 +166,8 @@ def test_no_launch_a_table_can_select_spills_on_either_arch() -> None:
     constexpr set -- is in the report and spills nothing to memory unless ``KNOWN_SPILLS`` lists
     it with its reason (:func:`spill_report`); and no variant spills at its nominal warps with
     its default constexprs."""
-    from generator.spills import extra_launches, selected_launches, spill_report
+    from generator.spills import config_warps, extra_launches, selected_launches, spill_report
+    from shardmax.runtime.variants import parse_name
 
     for arch in ("sm90", "gfx950"):
         report = json.loads((generated_dir() / arch / "resources.json").read_text())
@@ -176,7 +177,52 @@ def test_no_launch_a_table_can_select_spills_on_either_arch() -> None:
         launches = selected_launches(generated_dir(), arch, report["variants"])
         assert len(launches) > len(report["variants"]) // 2
         if arch == "sm90":  # tuned tables name warps the nominal entries do not have
-            assert extra_launches(generated_dir(), arch, report["variants"])
+            own = config_warps(arch)
+            tabled = [
+                x
+                for x in extra_launches(generated_dir(), arch, report["variants"])
+                if (parse_name(x.variant).family, x.config) not in own
+            ]
+            assert tabled
+
+
+def test_split_topp_searches_launch_at_their_own_warps_on_each_arch() -> None:
+    """The split top-p searches (``topp_replay``'s ``CONFIGS`` of a pipeline other than the
+    monolithic one) are exactly the sets :func:`config_warps` names, at 256 threads per program
+    -- 8 warps of 32 lanes on sm90, 4 wavefronts of 64 on gfx950 -- and the AOT report holds
+    each at those warps (on gfx950 they are the variant's own, so no extra launch)."""
+    from generator.spills import SPLIT_SEARCHES, config_warps, extra_launches, launch_name
+    from shardmax.reference.nucleus_replay import Pipeline
+    from shardmax.runtime.defaults import topp_split_replay_warps
+
+    for d in ("bf16", "fp16"):
+        mod = importlib.import_module(f"shardmax.generated.topp_replay_{d}")
+        split = {
+            c for c, over in mod.CONFIGS.items() if over.get("PIPELINE") != Pipeline.MONOLITHIC
+        }
+        assert split == set(SPLIT_SEARCHES), (d, mod.CONFIGS)
+        assert mod.CONSTEXPRS["PIPELINE"] == Pipeline.MONOLITHIC
+    assert (topp_split_replay_warps("sm90"), topp_split_replay_warps("gfx950")) == (8, 4)
+    for arch in ("sm90", "gfx950"):
+        report = json.loads((generated_dir() / arch / "resources.json").read_text())
+        per = report["variants"]
+        warps = topp_split_replay_warps(arch)
+        assert config_warps(arch) == {("topp_replay", c): warps for c in SPLIT_SEARCHES}
+        extra = {
+            launch_name(x, int(per[x.variant]["num_warps"]))
+            for x in extra_launches(generated_dir(), arch, per)
+            if x.variant.startswith("topp_replay_")
+        }
+        nominal = {int(per[f"topp_replay_{d}"]["num_warps"]) for d in ("bf16", "fp16")}
+        want = (
+            set()
+            if nominal == {warps}
+            else {
+                f"topp_replay_{d}@w{warps}[{c}]" for d in ("bf16", "fp16") for c in SPLIT_SEARCHES
+            }
+        )
+        assert extra == want, (arch, extra)
+        assert want <= set(report.get("launches", {})), arch
 
 
 def test_nominal_warps_follow_the_builtin_rule() -> None:
@@ -234,3 +280,35 @@ def test_hip_report_counts_memory_spills_not_sgpr_lane_spills() -> None:
     assert _hip_resources(seg)["spill_bytes"] == 20
     assert _hip_resources(asm(0, 40, 160))["spill_bytes"] == 160
     assert _hip_resources(asm(0, 0, 64))["spill_bytes"] == 0  # a private array, no spill
+
+
+def test_split_topp_search_launch_uses_the_reports_warps(monkeypatch) -> None:
+    """The runtime's ``topp_replay`` launch (:func:`shardmax.ops.topp._launch_replay`) gives the
+    split pipelines the warps the AOT report compiles them at (:func:`config_warps` of this
+    platform's arch family) and leaves the monolithic search at the variant's own."""
+    import torch
+
+    import shardmax.ops.topp as topp
+    from generator.spills import config_warps
+    from shardmax.reference.nucleus_replay import Pipeline
+
+    seen: list[dict[str, object]] = []
+
+    def fake_kernel(name: str):
+        def launch(grid, *args, **kwargs):
+            seen.append({"name": name, **kwargs})
+
+        return launch
+
+    monkeypatch.setattr(topp, "kernel", fake_kernel)
+    records = torch.zeros(1, 2, topp.RECORD_WORDS, dtype=torch.int32)
+    rest = [torch.zeros(2) for _ in range(5)]
+    arch = "gfx950" if torch.version.hip else "sm90"
+    for pipeline in (Pipeline.MONOLITHIC, Pipeline.SPLIT, Pipeline.SPLIT_V032):
+        topp._launch_replay(records, *rest, dtype_name="bf16", pipeline=pipeline, tile0=1)
+    assert [s.get("num_warps") for s in seen] == [
+        None,
+        config_warps(arch)[("topp_replay", "split")],
+        config_warps(arch)[("topp_replay", "split_v032")],
+    ]
+    assert [s["PIPELINE"] for s in seen] == [0, 1, 2]

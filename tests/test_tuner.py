@@ -482,7 +482,8 @@ def test_table_only_jobs_run_without_the_interpreter_and_say_when_the_report_lag
     import shardmax.generator.console as console
 
     from generator.render import generated_dir
-    from generator.spills import extra_launches, launch_name
+    from generator.spills import SPLIT_SEARCHES, extra_launches, launch_name
+    from shardmax.runtime.defaults import topp_split_replay_warps
 
     def no_rerun(*a, **k):
         raise AssertionError("a table-only job re-ran itself under the interpreter")
@@ -500,11 +501,18 @@ def test_table_only_jobs_run_without_the_interpreter_and_say_when_the_report_lag
     report = json.loads((out / "sm90" / "resources.json").read_text())
     per = report["variants"]
     # what the portable tables select at other warps: only the launches no table decides (the
-    # split top-p searches, spills.CONFIG_WARPS)
+    # split top-p searches at their own warps, spills.config_warps)
+    warps = topp_split_replay_warps("sm90")
     want = {
+        f"topp_replay_{d}@w{warps}[{c}]"
+        for d in ("bf16", "fp16")
+        for c in SPLIT_SEARCHES
+        if warps != int(per[f"topp_replay_{d}"]["num_warps"])
+    }
+    got = {
         launch_name(x, int(per[x.variant]["num_warps"])) for x in extra_launches(out, "sm90", per)
     }
-    assert want and all(name.startswith("topp_replay_") for name in want), want
+    assert got == want, got
     report["launches"] = {k: v for k, v in report["launches"].items() if k in want}
     (out / "sm90" / "resources.json").write_text(json.dumps(report))
     assert tuner_main(["--init-defaults", "--arch", "sm90", "--out", str(out)]) == 0

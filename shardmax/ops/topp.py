@@ -28,8 +28,8 @@ from shardmax.reference.nucleus_replay import HIST_LEVELS, Pipeline
 from shardmax.runtime.defaults import (
     TOPP_HIST_TARGET_PROGRAMS,
     TOPP_MERGE_PARTS,
-    TOPP_SPLIT_REPLAY_WARPS,
     default_record_splits,
+    topp_split_replay_warps,
 )
 from shardmax.runtime.indirect import logits_arg
 from shardmax.runtime.kernels import kernel
@@ -47,15 +47,18 @@ __all__ = [
     "topp_kept_sets",
 ]
 
+_SPLIT_REPLAY_WARPS = topp_split_replay_warps("gfx" if torch.version.hip else "sm")
+"""Warps of the split top-p searches on this platform (AMD wavefronts are 64 lanes wide)."""
+
 RECORD_WORDS = HIST_LEVELS // 2 + 8
 """int32 words of one rank's record of one row (the exchange's unit)."""
 RECORD_BYTES = 4 * RECORD_WORDS
 KEPT_WORDS = 10
+"""int32 words of :func:`topp_kept_sets`' answer per row: reason, nomask, boundary, ties_lo,
+ties_hi, count, ordered, branches, top_key, boundary_key."""
 STAT_WORDS = 4
 """fp64 words of :func:`topp_kept_sets`' statistics per row: ``m``, ``z``, the kept set's
 ``sum exp(x - m)`` with the fewest and the most boundary ties."""
-"""int32 words of :func:`topp_kept_sets`' answer per row: reason, nomask, boundary, ties_lo,
-ties_hi, count, ordered, branches, top_key, boundary_key."""
 TOPP_HIST_BLOCK = 4096
 """Register tile of ``topp_hist_*`` until the tuner measures the family (both blocks are
 generated and exact). On one H200 at 16 warps (benchmarks/topp_kernels.py), 4096 took 0.82-0.95x
@@ -154,11 +157,10 @@ def _launch_replay(
     num_warps: int | None = None,
 ) -> None:
     """``topp_replay``'s launch on checked arguments (``num_warps`` None: the split pipelines
-    at :data:`~shardmax.runtime.defaults.TOPP_SPLIT_REPLAY_WARPS`, the monolithic one at the
-    variant's own)."""
+    at :data:`_SPLIT_REPLAY_WARPS`, the monolithic one at the variant's own)."""
     tp, rows = records.shape[:2]
     if num_warps is None and pipeline != Pipeline.MONOLITHIC:
-        num_warps = TOPP_SPLIT_REPLAY_WARPS
+        num_warps = _SPLIT_REPLAY_WARPS
     kernel(VariantKey("topp_replay", dtype=dtype_name).name)(
         (rows,), records, temperature, top_p, sigma, kept, stat, rows, records.stride(0), tp, tile0,
         PIPELINE=int(pipeline), LEVELS=HIST_LEVELS,
@@ -293,9 +295,9 @@ def topp_kept_sets(
             rows (:func:`~shardmax.reference.nucleus_replay.pipeline_for`).
         tile0: the monolithic kernel's first-tile width (as given to :func:`topp_histograms`).
         out: optional ``(kept, stat)`` buffers to write into (no allocation).
-        num_warps: warps per row (default: :data:`~shardmax.runtime.defaults.
-            TOPP_SPLIT_REPLAY_WARPS` on the split pipelines, the variant's ``NUM_WARPS`` on the
-            monolithic one).
+        num_warps: warps per row (default: :func:`~shardmax.runtime.defaults.
+            topp_split_replay_warps` of the platform on the split pipelines, the variant's
+            ``NUM_WARPS`` on the monolithic one).
         check_values: read ``top_p`` / ``temperature`` on the host and raise for values vLLM
             refuses (a device sync; without it such rows get reason 8).
 

@@ -62,13 +62,16 @@ warps, 9.1-16.2 against 20.4-24.0 at 32 rows (benchmarks/results/sm90/topp_merge
 H100 (benchmarks/topp_kernels.py traffic) 8 at 8 warps was the fastest of PARTS 1-16 x warps
 2-8 at 16 splits (8.9 against 17.2-24.8 us one at a time), and at 160 rows' 4 splits all 4 at
 once at 8 warps took 4.7 us against 7.5. Untuned default until the tuner covers the family."""
-TOPP_SPLIT_REPLAY_WARPS = 8
-"""Warps of ``topp_replay`` on vLLM's split pipelines (the monolithic search keeps the
-variant's ``NUM_WARPS``). In the engine loop on an H100 (V = 200064, TP 1, `--kernels`, three
-runs) 8 warps took the split search from 78.1-78.6 to 59.5-60.4 us at 4 and 32 rows, the
-folded step's kernels from 240-242 to 203-204 us at 4 rows
+TOPP_SPLIT_REPLAY_THREADS = 256
+"""Threads per program of ``topp_replay`` on vLLM's split pipelines (the monolithic search keeps
+the variant's ``NUM_WARPS``): 8 warps on NVIDIA, 4 wavefronts of 64 on AMD CDNA
+(:func:`topp_split_replay_warps`). In the engine loop on an H100 (V = 200064, TP 1, `--kernels`,
+four machine sessions) 8 warps took the split search from 77.4-79.6 to 59.0-60.4 us at 4 and 32
+rows, the folded top-p call's kernels from 240.4-242.8 to 202.7-203.7 us at 4 rows
 (benchmarks/results/sm90/topp_replay_warps); it spills 56 B per thread on sm90 there against
-544-556 B at 4 (``generator/spills.py``). Untuned default until the tuner covers the family."""
+544-556 B at 4 (``generator/spills.py``). gfx950 compiles the same 256 threads (4 wavefronts)
+without a spill; untimed there. Untuned default until the tuner covers the family."""
+
 CANDIDATE_CHOICES = (32, 64, 128)
 """The C a table row may select (the tuner's ``candidates`` axis)."""
 SPLIT_PIPELINE_MAX_ROWS = 64
@@ -105,6 +108,13 @@ def default_num_warps(family: str, block: int) -> int:
     raise ValueError(
         f"family: {family!r} has no built-in warps rule (shard_keys, sampled_record, sampled_draw)"
     )
+
+
+def topp_split_replay_warps(arch: str) -> int:
+    """Warps of ``topp_replay`` on vLLM's split pipelines on ``arch`` (``"sm90"``-style or
+    ``"gfx950"``-style; any ``gfx`` arch counts 64 lanes per wavefront):
+    :data:`TOPP_SPLIT_REPLAY_THREADS` over the arch's warp width."""
+    return TOPP_SPLIT_REPLAY_THREADS // (64 if arch.startswith("gfx") else 32)
 
 
 def default_record_splits(

@@ -1,5 +1,5 @@
 """kernels_w*_run*.log (``benchmarks.engine --kernels`` on an H100, the split top-p search at 4
-or 8 warps, three machine sessions) -> ab.csv and ab.png: GPU us per call of the eager
+or 8 warps, four machine sessions) -> ab.csv and ab.png: GPU us per call of the eager
 level-histogram path and of the folded top-p call, and of ``topp_replay`` inside them."""
 
 import csv
@@ -46,6 +46,6 @@ for ax, key in zip(axes, ("topp_replay_us", "total_us"), strict=True):
     ax.set_ylabel("GPU us per call")
     ax.set_title("topp_replay" if key == "topp_replay_us" else "whole call (all kernels)")
 axes[1].legend(fontsize=8)
-fig.suptitle("Split top-p search at 4 vs 8 warps, engine loop --kernels, one H100 (3 runs)")
+fig.suptitle("Split top-p search at 4 vs 8 warps, engine loop --kernels, one H100 (4 sessions)")
 fig.tight_layout()
 fig.savefig(HERE / "ab.png", dpi=90)
