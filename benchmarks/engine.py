@@ -847,7 +847,8 @@ def _run(
             for n, before in counted.items():
                 now = paths[n].calls  # type: ignore[attr-defined]
                 delta = {k: now[k] - before[k] for k in before}
-                device_notes[n] += f"; timed loop with its warm-up: {delta}"
+                shape = " (its first batch shape)" if args.churn > 1 else ""
+                device_notes[n] += f"; timed loop with its warm-up{shape}: {delta}"
             shapes = churn_reqs(reqs, args.churn)
             churn = ""
             if len(shapes) > 1:
