@@ -31,6 +31,10 @@ from .aot import LOCAL_FAMILIES
 
 TABLE_OPS = ("argmax", "verify", "sampled")
 
+SPLIT_SEARCHES = ("split", "split_v032")
+"""``topp_replay``'s constexpr sets of vLLM's split pipelines (``CONFIGS`` whose ``PIPELINE`` is not
+the monolithic one's): the runtime launches them at :func:`config_warps`' warps."""
+
 _SPLIT_REPLAY = (
     "56 B of stack in the split top-p search at 8 warps (544-556 B at 4), which decides a "
     "round's eight pivots on [8, LEVELS] fp64 tiles; in the engine loop on an H100 (V = 200064, "
@@ -46,7 +50,7 @@ KNOWN_SPILLS: dict[str, dict[str, str]] = {
         **{
             f"topp_replay_{d}@w8[{c}]": _SPLIT_REPLAY
             for d in ("bf16", "fp16")
-            for c in ("split", "split_v032")
+            for c in SPLIT_SEARCHES
         },
         **{f"topp_combine_{d}[parts4]": _COMBINE_PARTS4 for d in ("bf16", "fp16")},
     },
@@ -58,10 +62,6 @@ of 4 splits (gfx950 runs the searches at 4 wavefronts of 64 lanes, which do not 
 gfx950 entries this once held -- every ``sampled_record_*_b2048`` and ``sampled_finish_tp{2,4,8}``
 -- were SGPR spills into VGPR lanes, no memory traffic, which the report counted as bytes; they
 are ``sgpr_spills`` now, see :mod:`generator.aot`.)"""
-
-SPLIT_SEARCHES = ("split", "split_v032")
-"""``topp_replay``'s constexpr sets of vLLM's split pipelines (``CONFIGS`` whose ``PIPELINE`` is not
-the monolithic one's): the runtime launches them at :func:`config_warps`' warps."""
 
 
 def config_warps(arch: str) -> dict[tuple[str, str], int]:
