@@ -52,7 +52,7 @@ host cost of the call counts as much as its GPU time. Each timed step of this lo
 4. the accepted tokens accumulated on the device (read once at the end, as V2 reads its outputs
    asynchronously).
 
-Every path runs the same fixed number of steps on the same batch (realistic traffic:
+Every path runs the same fixed number of steps on the same batches (realistic traffic:
 :func:`shardmax.testing.traffic.realistic_batch`: LM-like rows, drafts often right), in
 ``--rounds`` interleaved rounds (each round runs its share of every path's steps in turn), so a
 slow spell of the host -- its speed moves by up to 2x over tens of seconds on the H200's host --
@@ -64,12 +64,21 @@ run of the path made a host sync (:func:`shardmax.testing.syncs.host_syncs`: tor
 mode and the event / stream waits it does not report). Targets of issue
 19 are evaluated from these numbers only. Needs a GPU.
 
+``--fresh N``: in serving, every step brings new logits and drafts. By default each row count
+replays one batch, so the same requests are flagged (or accepted) on every step -- at a row
+count whose batch happens to flag a request, every step pays vLLM's chain on it, which
+realistic traffic does on a share of the steps only. With ``--fresh N`` each batch shape has N
+realistic batches (other seeds, the same shape: the same plans, graphs and signatures), the
+next one on each of its steps, so flags and acceptance vary from step to step as in serving;
+the checks against vLLM run on every one of them (the notes say "over N batches").
+
 ``--churn N``: a serving engine's batch changes from step to step as requests arrive and
 finish. With it each row count's paths cycle through N batch shapes, one per call (its request
 count and the N - 1 below it, each a realistic batch of its own; every shardmax path keeps one
 VocabShard for all of them, as the plug-in's runner does), so what a path does per new shape --
 a first sighting's host read, a capture, an eviction past its graphs' limit -- is timed in the
-loop. The checks against vLLM run on the first shape. ``--churn-order walk`` drifts instead:
+loop. The checks against vLLM run on the first shape (each of its ``--fresh`` batches).
+``--churn-order walk`` drifts instead:
 a random walk over the shapes, one request more, the same or one fewer per step (more shapes
 than a cache holds then miss only as the walk leaves the recently seen ones; the walk may not
 reach every shape: the note says how many it visits). ``--churn-warm``
@@ -88,7 +97,7 @@ reported (the collectives keep the ranks in step), no path is captured whole.
 
     python -m benchmarks.engine [--rows 4,32,96,256,512] [--vocab 200064] [--steps 200]
         [--mixes greedy,temperature,top_p] [--forward-us 1000] [--lookahead 2] [--rounds 5]
-        [--tp 1] [--churn 0] [--churn-order cycle] [--churn-warm] [--kernels]
+        [--tp 1] [--fresh 1] [--churn 0] [--churn-order cycle] [--churn-warm] [--kernels]
         [--out benchmarks/results/<arch>]
 """
 
@@ -300,33 +309,45 @@ def _mismatches(ours: Any, theirs: Any) -> tuple[int, int]:
 
 
 class _Cycle:
-    """``--churn``: one path's calls on several batch shapes, the next shape on every call -- an
-    engine whose batch changes from step to step (requests arriving and finishing), so the
-    path's per-shape work (first sightings, captures, evictions) falls inside the timed loop.
-    ``order``: the shapes' indices the calls go through, repeated (default: each in turn)."""
+    """``--churn`` / ``--fresh``: one path's calls on several batch shapes, the next shape on
+    every call -- an engine whose batch changes from step to step (requests arriving and
+    finishing), so the path's per-shape work (first sightings, captures, evictions) falls inside
+    the timed loop. Each shape is one step or a list of its ``--fresh`` batches (the same shape,
+    other logits and drafts), taken in turn on that shape's calls. ``order``: the shapes'
+    indices the calls go through, repeated (default: each in turn)."""
 
-    def __init__(self, steps: list[Callable[[], Any]], order: list[int] | None = None) -> None:
-        self.steps = steps
-        self.order = order or list(range(len(steps)))
+    def __init__(
+        self,
+        steps: list[Callable[[], Any]] | list[list[Callable[[], Any]]],
+        order: list[int] | None = None,
+    ) -> None:
+        self.steps: list[list[Callable[[], Any]]] = [
+            list(s) if isinstance(s, list) else [s] for s in steps
+        ]
+        self.order = order or list(range(len(self.steps)))
         self.i = 0
+        self._next = [0] * len(self.steps)  # each shape's next fresh batch
 
     def __call__(self) -> Any:
-        step = self.steps[self.order[self.i]]
+        shape = self.order[self.i]
         self.i = (self.i + 1) % len(self.order)
-        return step()
+        variants = self.steps[shape]
+        j = self._next[shape]
+        self._next[shape] = (j + 1) % len(variants)
+        return variants[j]()
 
     def warm(self, calls: int = 3) -> list[list[float]]:
-        """``--churn-warm``: each shape's first ``calls`` calls, before the timed loop; the wall
-        ms of each (the device synchronised around it: a first sighting's host read and a
-        capture included), per shape."""
+        """``--churn-warm``: each shape's first ``calls`` calls (its fresh batches in turn),
+        before the timed loop; the wall ms of each (the device synchronised around it: a first
+        sighting's host read and a capture included), per shape."""
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         ms = []
-        for step in self.steps:
+        for variants in self.steps:
             one = []
-            for _ in range(calls):
+            for c in range(calls):
                 sync()
                 t0 = time.perf_counter()
-                step()
+                variants[c % len(variants)]()
                 sync()
                 one.append((time.perf_counter() - t0) * 1e3)
             ms.append(one)
@@ -353,6 +374,20 @@ def churn_order(shapes: int, steps: int, walk: bool, seed: int = 0) -> list[int]
         at = min(max(at + int(move), 0), shapes - 1)
         order.append(at)
     return order + order[::-1]
+
+
+def fresh_seed(rows: int, reqs: int, shape_reqs: int, variant: int) -> int:
+    """The traffic seed of one batch of the loop at a row count of ``rows`` (``reqs``
+    requests): the row count's own batch is seeded ``rows``, a ``--churn`` shape of
+    ``shape_reqs`` requests ``rows + shape_reqs``, and its ``--fresh`` batch ``variant`` (> 0)
+    that seed plus ``FRESH_STRIDE * variant`` (distinct from every other shape's and row
+    count's seeds)."""
+    base = rows if shape_reqs == reqs else rows + shape_reqs
+    return base + FRESH_STRIDE * variant
+
+
+FRESH_STRIDE = 1_000_003
+"""Seed distance between a shape's ``--fresh`` batches (above any row count plus requests)."""
 
 
 def _warm(step: Callable[[], Any]) -> None:
@@ -572,6 +607,14 @@ def main(argv: list[str] | None = None) -> int:
         help="--churn: each shape's first calls (host read, capture) before the timed loop, "
         "their wall ms reported apart; the loop then times the steady state",
     )
+    ap.add_argument(
+        "--fresh",
+        type=int,
+        default=1,
+        help="realistic batches per batch shape, the next one on each of its steps (other "
+        "logits and drafts, the same shape: flags and acceptance vary from step to step as "
+        "in serving; 1: one batch, replayed)",
+    )
     ap.add_argument("--vllm-version", default="0.33.0")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
@@ -709,19 +752,108 @@ def _paths(
     return paths, config
 
 
+class _Built(NamedTuple):
+    """One batch of the loop on this rank: its traffic, vLLM's arguments (None without an
+    extracted vLLM), this rank's shard (None at TP 1), its paths and their top-p pipeline."""
+
+    traffic: Any
+    kw: dict[str, Any] | None
+    me: RankShard | None
+    paths: dict[str, Callable[[], Any]]
+    config: Any
+
+
+def _built(
+    args: argparse.Namespace,
+    mix: str,
+    reqs: int,
+    seed: int,
+    chain: Any,
+    resolver: Any,
+    fallback: Any,
+    shards: dict[str, Any],
+    rank: int,
+    world: int,
+    group: Any,
+) -> _Built:
+    """A realistic batch of ``reqs`` requests (``seed``) and its paths (:func:`_paths`, on the
+    shared ``shards``); at TP > 1 built on the host (the same bits on every rank), then moved."""
+    from shardmax.testing.traffic import realistic_batch
+
+    traffic = realistic_batch(reqs, args.k, args.vocab, seed=seed, mix=mix,
+                              device="cuda" if world == 1 else "cpu")  # fmt: skip
+    if world > 1:
+        for fld in dataclasses.fields(traffic):
+            if isinstance(v := getattr(traffic, fld.name), torch.Tensor):
+                setattr(traffic, fld.name, v.to("cuda"))
+    me = _rank_shard(traffic.logits, rank, world, group)
+    kw = None
+    if chain is not None:
+        from shardmax.testing.vllm_chain import verify_inputs
+
+        kw = verify_inputs(traffic)
+    paths, config = _paths(traffic, mix, kw, me, chain, resolver, fallback, shards)
+    return _Built(traffic, kw, me, paths, config)
+
+
+def _check_batch(b: _Built, mix: str, fallback: Any) -> dict[str, Any]:
+    """Every path of one batch against vLLM's chain on it: requests that differ among the
+    unflagged (``bad``), flagged (``flagged``); after the per-request resolution (``bad_r``,
+    ``left``); the level-histogram plan's own flags unresolved (``bad_h``, ``flagged_h``) and
+    resolved (``bad_hr``, ``left_h``); per device path ``[differ, left flagged, flagged
+    before]`` (``device``: each run to its capture first, so the compared call replays)."""
+    paths = b.paths
+    prefill = (b.kw["seq_lens"], b.kw["prefill_len"]) if b.kw is not None else (None, None)
+    theirs = paths["vllm"]()
+    out: dict[str, Any] = dict.fromkeys(
+        ("bad_r", "left", "bad_h", "flagged_h", "bad_hr", "left_h"), 0
+    )
+    out["bad"], out["flagged"] = _mismatches(paths["shardmax"](), theirs)
+    if "shardmax+resolve" in paths:
+        out["bad_r"], out["left"] = _mismatches(paths["shardmax+resolve"](), theirs)
+    if "shardmax-hist+resolve" in paths:
+        plain = _shardmax_step(
+            b.traffic, mix, prefill, graphed=False, topp=b.config, rank=b.me
+        )()  # unresolved: its flags
+        out["bad_h"], out["flagged_h"] = _mismatches(plain, theirs)
+        out["bad_hr"], out["left_h"] = _mismatches(paths["shardmax-hist+resolve"](), theirs)
+    # each device path's flags are its own plan's: the histogram plan's behind top-p
+    flagged_by = {"shardmax+device": out["flagged"], "shardmax+fold": out["flagged"],
+                  "shardmax-hist+fold": out["flagged_h"]}  # fmt: skip
+    out["device"] = {}
+    for name, before in flagged_by.items():
+        if name not in paths or fallback is None:
+            continue
+        dev_step = paths[name]
+        for _ in range(fallback.capture_after):
+            dev_step()  # the signature's host-read steps, then its capture
+        got = dev_step()
+        torch.cuda.synchronize()
+        out["device"][name] = [*_mismatches(got, theirs), before]
+    return out
+
+
+def _calls(steps: list[Callable[[], Any]]) -> dict[str, int]:
+    """How a device path's calls on these batches were decided, summed (``step.calls``)."""
+    total: dict[str, int] = {}
+    for step in steps:
+        for k, v in getattr(step, "calls", {}).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
 def _run(
     args: argparse.Namespace, rank: int = 0, world: int = 1, group: Any = None
 ) -> list[dict[str, Any]]:
     """The loop over mixes, row counts and paths on this rank (TP ``world``; at TP 1 the shard
     is the whole vocabulary); rank 0 prints and writes engine.csv / engine.png / ENGINE.md."""
     from shardmax.runtime.dispatch import detect_arch
-    from shardmax.testing.traffic import realistic_batch
 
     say = print if rank == 0 else (lambda *a, **k: None)
     chain = None
     note = ""
     try:
-        from shardmax.testing.vllm_chain import NativeChain, verify_inputs
+        from shardmax.testing.vllm_chain import NativeChain
 
         chain = {c.version: c for c in NativeChain.discover()}[args.vllm_version]
     except Exception as e:  # no extracted vLLM tree: the vllm path is not measured
@@ -750,78 +882,66 @@ def _run(
     for mix in args.mixes.split(","):
         for rows in rows_list:
             reqs = max(1, rows // (args.k + 1))
-            traffic = realistic_batch(reqs, args.k, args.vocab, seed=rows, mix=mix,
-                                      device="cuda" if world == 1 else "cpu")  # fmt: skip
-            if world > 1:  # built on the host (the same bits on every rank), then moved
-                for fld in dataclasses.fields(traffic):
-                    if isinstance(v := getattr(traffic, fld.name), torch.Tensor):
-                        setattr(traffic, fld.name, v.to("cuda"))
-            me = _rank_shard(traffic.logits, rank, world, group)
-            kw = verify_inputs(traffic) if chain is not None else None
+            shards: dict[str, Any] = {}  # one VocabShard per path, shared by its batches
+            shapes = churn_reqs(reqs, args.churn) if args.churn > 1 else [reqs]
+            fresh = max(1, args.fresh)
+            # every shape's fresh batches, each with its own paths (the first: the checks'
+            # batch, and the one a run without --churn / --fresh replays)
+            built = [
+                [
+                    _built(args, mix, n, fresh_seed(rows, reqs, n, j), chain, resolver,
+                           fallback, shards, rank, world, group)
+                    for j in range(fresh)
+                ]
+                for n in shapes
+            ]  # fmt: skip
+            traffic, kw, _, paths, config = built[0][0]
             prefill = (kw["seq_lens"], kw["prefill_len"]) if kw is not None else (None, None)
-            shards: dict[str, Any] = {}  # one VocabShard per path, shared by its shapes
-            paths, config = _paths(traffic, mix, kw, me, chain, resolver, fallback, shards)
             timed_paths = paths
-            if args.churn > 1:  # the other shapes, built alike; the checks below use the first
-                others = []
-                for n in churn_reqs(reqs, args.churn)[1:]:
-                    t_n = realistic_batch(n, args.k, args.vocab, seed=rows + n, mix=mix,
-                                          device="cuda" if world == 1 else "cpu")  # fmt: skip
-                    if world > 1:
-                        for fld in dataclasses.fields(t_n):
-                            if isinstance(v := getattr(t_n, fld.name), torch.Tensor):
-                                setattr(t_n, fld.name, v.to("cuda"))
-                    me_n = _rank_shard(t_n.logits, rank, world, group)
-                    kw_n = verify_inputs(t_n) if chain is not None else None
-                    others.append(_paths(t_n, mix, kw_n, me_n, chain, resolver, fallback,
-                                         shards)[0])  # fmt: skip
-                order = churn_order(len(others) + 1, args.steps, args.churn_order == "walk",
+            if len(shapes) > 1 or fresh > 1:
+                order = churn_order(len(shapes), args.steps, args.churn_order == "walk",
                                     seed=rows)  # fmt: skip
                 timed_paths = {
-                    name: _Cycle([step, *(o[name] for o in others)], order)
-                    for name, step in paths.items()
-                }
-            same = resolved_note = ""
+                    name: _Cycle([[b.paths[name] for b in variants] for variants in built],
+                                 order)
+                    for name in paths
+                }  # fmt: skip
+            firsts = built[0]  # the first shape's batches: the checks run on each of them
+            over = f" over {fresh} batches" if fresh > 1 else ""
+            same = resolved_note = hist_note = ""
             device_notes: dict[str, str] = {}
             if "vllm" in paths:
-                theirs = paths["vllm"]()
-                bad, flagged = _mismatches(paths["shardmax"](), theirs)
-                same = f"{bad} unflagged requests differ from vLLM, {flagged} flagged of {reqs}"
+                tally = {k: 0 for k in ("bad", "flagged", "bad_r", "left", "bad_h", "flagged_h",
+                                    "bad_hr", "left_h")}  # fmt: skip
+                dev: dict[str, list[int]] = {}
+                for b in firsts:
+                    got = _check_batch(b, mix, fallback)
+                    for k in tally:
+                        tally[k] += got[k]
+                    for name, counts in got["device"].items():
+                        dev[name] = [x + y for x, y in zip(dev.get(name, [0, 0, 0]), counts,
+                                                           strict=True)]  # fmt: skip
+                of = reqs * fresh
+                same = (
+                    f"{tally['bad']} unflagged requests differ from vLLM, {tally['flagged']} flagged of "
+                    f"{of}{over}"
+                )
                 if "shardmax+resolve" in paths:
-                    bad_r, left = _mismatches(paths["shardmax+resolve"](), theirs)
                     resolved_note = (
-                        f"{bad_r} of {reqs} requests differ from vLLM after resolving "
-                        f"{flagged} ({left} left flagged)"
+                        f"{tally['bad_r']} of {of} requests differ from vLLM{over} after resolving "
+                        f"{tally['flagged']} ({tally['left']} left flagged)"
                     )
-                hist_note = ""
-                flagged_h = 0
                 if "shardmax-hist+resolve" in paths:
-                    hist = paths["shardmax-hist+resolve"]
-                    plain = _shardmax_step(
-                        traffic, mix, prefill, graphed=False, topp=config, rank=me
-                    )()  # unresolved: its flags
-                    bad_h, flagged_h = _mismatches(plain, theirs)
-                    bad_hr, left_h = _mismatches(hist(), theirs)
                     hist_note = (
-                        f"{bad_h} unflagged requests differ from vLLM, {flagged_h} flagged of "
-                        f"{reqs}; {bad_hr} differ after resolving ({left_h} left flagged)"
+                        f"{tally['bad_h']} unflagged requests differ from vLLM, {tally['flagged_h']} "
+                        f"flagged of {of}{over}; {tally['bad_hr']} differ after resolving "
+                        f"({tally['left_h']} left flagged)"
                     )
-                # each device path's flags are its own plan's: the histogram plan's behind top-p
-                flagged_by = {"shardmax+device": flagged, "shardmax+fold": flagged}
-                flagged_by["shardmax-hist+fold"] = flagged_h
-                for name in flagged_by:
-                    if name not in paths or fallback is None:
-                        continue
-                    dev_step = paths[name]
-                    for _ in range(fallback.capture_after):
-                        dev_step()  # the signature's host-read steps, then its capture
-                    got = dev_step()
-                    torch.cuda.synchronize()
-                    bad_d, left_d = _mismatches(got, theirs)
+                for name, (bad_d, left_d, before) in dev.items():
                     device_notes[name] = (
-                        f"{bad_d} of {reqs} requests differ from vLLM ({left_d} left flagged; "
-                        f"{flagged_by[name]} flagged before the device fallback); its first "
-                        f"steps: {getattr(dev_step, 'calls', {})}"
+                        f"{bad_d} of {of} requests differ from vLLM{over} ({left_d} left "
+                        f"flagged; {before} flagged before the device fallback); its first "
+                        f"steps: {_calls([b.paths[name] for b in firsts])}"
                     )
             if args.kernels and rank == 0:
                 _print_kernels(traffic, mix, prefill, config, paths)
@@ -838,27 +958,28 @@ def _run(
                         _profile(paths[name], f"{name} {mix} rows={reqs * (args.k + 1)}",
                                  show=rank == 0)  # fmt: skip
             # how the device paths' steps were decided while timed (a host read counts as host
-            # time); with --churn, the first shape's steps
-            counted = {n: dict(s.calls) for n, s in paths.items() if n in device_notes}
+            # time); with --churn, the first shape's steps (each of its --fresh batches)
+            counted = {n: _calls([b.paths[n] for b in firsts]) for n in device_notes}
             timed = _measure_interleaved(
                 timed_paths, forward, args.steps, reqs, args.lookahead, args.rounds,
                 warm_shapes=args.churn_warm,
             )  # fmt: skip
-            for n, before in counted.items():
-                now = paths[n].calls  # type: ignore[attr-defined]
-                delta = {k: now[k] - before[k] for k in before}
-                shape = " (its first batch shape)" if args.churn > 1 else ""
-                device_notes[n] += f"; timed loop with its warm-up{shape}: {delta}"
-            shapes = churn_reqs(reqs, args.churn)
+            for path_name, at_start in counted.items():
+                now = _calls([b.paths[path_name] for b in firsts])
+                delta = {k: now[k] - at_start[k] for k in at_start}
+                shape = " (its first batch shape)" if len(shapes) > 1 else ""
+                device_notes[path_name] += f"; timed loop with its warm-up{shape}: {delta}"
             churn = ""
             if len(shapes) > 1:
-                order = "cycled"
+                how = "cycled"
                 if args.churn_order == "walk":
                     walked = set(churn_order(len(shapes), args.steps, True, seed=rows))
-                    order = f"a random walk visiting {len(walked)} of them"
+                    how = f"a random walk visiting {len(walked)} of them"
                 warmed = "; warmed before the loop" if args.churn_warm else ""
-                churn = (f"churn: {len(shapes)} batch shapes, {order} per step ({shapes[0]}.."
+                churn = (f"churn: {len(shapes)} batch shapes, {how} per step ({shapes[0]}.."
                          f"{shapes[-1]} requests; checks on the first{warmed}); ")  # fmt: skip
+            if fresh > 1:
+                churn += f"fresh: {fresh} realistic batches per shape, the next on each step; "
             for path, step in timed_paths.items():
                 row = {"mix": mix, "rows": reqs * (args.k + 1), "reqs": reqs,
                        "vocab": args.vocab, "dtype": "bf16", "tp": world, "path": path,
@@ -884,13 +1005,17 @@ def _run(
                 if path == "shardmax-hist+resolve":
                     row["note"] = hist_note
                 if path == "shardmax" and same:
-                    eager = paths["shardmax-eager"]()
-                    ours = paths["shardmax"]()
-                    bitwise = all(torch.equal(a, b) for a, b in zip(ours, eager, strict=True))
+                    bitwise, rates = True, []
+                    for b in firsts:
+                        eager = b.paths["shardmax-eager"]()
+                        ours = b.paths["shardmax"]()
+                        bitwise &= all(torch.equal(x, y) for x, y in zip(ours, eager, strict=True))
+                        res = b.paths["shardmax"]()
+                        if hasattr(res, "fallback"):
+                            rates.append(float(res.fallback.float().mean()))
                     row["note"] = f"{same}; replay == eager launches bit for bit: {bitwise}"
-                    res = paths["shardmax"]()
-                    if hasattr(res, "fallback"):
-                        row["fallback_rate"] = float(res.fallback.float().mean())
+                    if rates:
+                        row["fallback_rate"] = statistics.fmean(rates)
                 if row.get("new_shape_ms"):
                     first = ", ".join(f"{m:.1f}" for m in row["new_shape_ms"])
                     row["note"] = f"a new shape's first calls: {first} ms; " + row["note"]

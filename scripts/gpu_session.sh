@@ -67,6 +67,7 @@
 #   bash scripts/gpu_session.sh TH  one H200: the top-p histogram GPU tests, then the engine loop
 #                                   on top-p traffic
 #   bash scripts/gpu_session.sh EN  one H200: the engine-faithful loop alone (MIXES=...;
+#                                   FRESH=N: N realistic batches per shape, one per step;
 #                                   CHURN=N: N batch shapes per row count, one per step;
 #                                   CHURN_ORDER=walk: a random walk over them; CHURN_WARM=1:
 #                                   each shape's first calls before the loop, timed apart;
@@ -179,7 +180,7 @@ engine_loop() {
   local warm=()
   [ "${CHURN_WARM:-0}" = 0 ] || warm=(--churn-warm)
   timeout "$(left "$2")" python3 -m benchmarks.engine --steps "${STEPS:-100}" --mixes "$3" \
-    --rows "${ROWS:-4,32,96,256,512}" --churn "${CHURN:-0}" \
+    --rows "${ROWS:-4,32,96,256,512}" --fresh "${FRESH:-1}" --churn "${CHURN:-0}" \
     --churn-order "${CHURN_ORDER:-cycle}" "${warm[@]}" --out "$OUT/engine" \
     >"$OUT/engine_$1.log" 2>&1
   echo "  rc=$?"; grep -E "^(greedy|temperature|top_p) .*(shardmax|vllm )|Error" \

@@ -614,6 +614,44 @@ def test_engine_churn_cycles_shapes_on_shared_shards() -> None:
     assert len(ms) == 2 and all(len(m) == 2 and min(m) > 0 for m in ms)
 
 
+def test_engine_fresh_batches_take_turns_per_shape() -> None:
+    """``benchmarks.engine --fresh``: each shape's batches (the same shape, other logits) are
+    taken in turn on that shape's own calls, whatever the shapes' order; seeds stay distinct
+    across variants, shapes and row counts, and the row count's own batch keeps its seed."""
+    from benchmarks.engine import FRESH_STRIDE, _Cycle, _paths, fresh_seed
+    from shardmax.testing.traffic import realistic_batch
+
+    assert fresh_seed(96, 24, 24, 0) == 96 and fresh_seed(96, 24, 23, 0) == 96 + 23
+    seeds = {fresh_seed(r, r // 4, n, j) for r in (4, 32, 96, 256, 512)
+             for n in range(max(1, r // 4 - 3), r // 4 + 1) for j in range(8)}  # fmt: skip
+    assert len(seeds) == 5 * 8 * 4 - 8 * 3  # 4 rows: one shape; the others: 4 shapes
+    assert fresh_seed(4, 1, 1, 1) == 4 + FRESH_STRIDE
+    shards: dict = {}
+    batches = {}
+    for n, j in ((3, 0), (3, 1), (2, 0), (2, 1)):
+        t = realistic_batch(n, 3, 256, seed=fresh_seed(12, 3, n, j), mix="temperature")
+        batches[n, j] = t
+        step = _paths(t, "temperature", None, None, None, None, None, shards)[0]["shardmax-eager"]
+        batches[n, j, "step"] = step
+    assert not torch.equal(batches[3, 0].logits, batches[3, 1].logits)
+    cycle = _Cycle(
+        [
+            [batches[3, 0, "step"], batches[3, 1, "step"]],
+            [batches[2, 0, "step"], batches[2, 1, "step"]],
+        ],
+        [0, 0, 1],
+    )
+    got = [cycle() for _ in range(6)]
+    # shape order 0, 0, 1, 0, 0, 1; shape 0 alternates its batches, shape 1 likewise
+    want = [(3, 0), (3, 1), (2, 0), (3, 0), (3, 1), (2, 1)]
+    for res, (n, j) in zip(got, want, strict=True):
+        alone = batches[n, j, "step"]()
+        assert all(torch.equal(a, b) for a, b in zip(res, alone, strict=True)), (n, j)
+    assert [int(r[0].shape[0]) for r in got] == [3, 3, 2, 3, 3, 2]
+    ms = cycle.warm(calls=3)  # each shape's first calls go through its batches
+    assert len(ms) == 2 and all(len(m) == 3 for m in ms)
+
+
 def test_engine_churn_walk_drifts_one_request_at_a_time() -> None:
     """``--churn-order walk``: a seeded random walk over the shapes that stays inside them and
     moves at most one request per step, also where the order repeats (and reaches beyond a few
