@@ -539,7 +539,11 @@ def topp_fold_routing(runner: Any, input_batch: Any, device: torch.device) -> bo
     ~40 us more GPU time than vLLM's chain; with the replay's split rounds decided eight pivots
     at once, 15 us more and -0.2 % in tokens/s on an H100, CHANGELOG) and at 96 rows (one
     request of 24 flagged on every step, resolved by vLLM's monolithic top-p kernel), ahead
-    elsewhere; every request == vLLM's.
+    elsewhere; every request == vLLM's. On 8 fresh batches per shape (H100, 99b471f,
+    ``benchmarks/results/sm90/engine_fresh_h100``, flags varying from step to step as in
+    serving) -3.4 / +13.7 / +0.9 / +14.6 / +23.7 %. No row count is left to vLLM: whether 4
+    rows win depends on the host, not the batch -- on a slower host the same call gained 27 and
+    38 % at 4 rows and 0.5-66 % up to 64 rows, where vLLM's chain is host-bound.
     False for other values of ``$SHARDMAX_VLLM_SAMPLED`` (``1`` routes every sampled step, ``0``
     none), for steps of more logits rows than one vLLM chunk (the candidate path's), for vLLM's
     synthetic rejection method (the fold refuses it) and wherever the fold is unavailable (the
