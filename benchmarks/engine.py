@@ -70,7 +70,10 @@ count whose batch happens to flag a request, every step pays vLLM's chain on it,
 realistic traffic does on a share of the steps only. With ``--fresh N`` each batch shape has N
 realistic batches (other seeds, the same shape: the same plans, graphs and signatures), the
 next one on each of its steps, so flags and acceptance vary from step to step as in serving;
-the checks against vLLM run on every one of them (the notes say "over N batches").
+the checks against vLLM run on every fresh batch of the first shape (the notes say "over N
+batches"), the sync check on every batch. The batches of a row count stay resident while it is
+timed (a 512-row batch at V = 200064: ~205 MB of bf16 logits, plus vLLM's arguments; at TP > 1
+the full logits and the rank's shard each).
 
 ``--churn N``: a serving engine's batch changes from step to step as requests arrive and
 finish. With it each row count's paths cycle through N batch shapes, one per call (its request
@@ -309,12 +312,14 @@ def _mismatches(ours: Any, theirs: Any) -> tuple[int, int]:
 
 
 class _Cycle:
-    """``--churn`` / ``--fresh``: one path's calls on several batch shapes, the next shape on
-    every call -- an engine whose batch changes from step to step (requests arriving and
-    finishing), so the path's per-shape work (first sightings, captures, evictions) falls inside
-    the timed loop. Each shape is one step or a list of its ``--fresh`` batches (the same shape,
-    other logits and drafts), taken in turn on that shape's calls. ``order``: the shapes'
-    indices the calls go through, repeated (default: each in turn)."""
+    """``--churn`` / ``--fresh``: one path's calls on several batches. With ``--churn`` the
+    batch shape changes from call to call -- an engine whose batch changes from step to step
+    (requests arriving and finishing), so the path's per-shape work (first sightings, captures,
+    evictions) falls inside the timed loop. Each shape is one step or a list of its ``--fresh``
+    batches (the same shape, other logits and drafts), taken in turn on that shape's calls.
+    ``order``: the shapes' indices the calls go through, repeated (default: each in turn).
+    :meth:`turn` calls every batch once; :meth:`warm` calls each shape's batches directly
+    (neither moves the loop's place in ``order`` or a shape's turn)."""
 
     def __init__(
         self,
@@ -335,6 +340,10 @@ class _Cycle:
         j = self._next[shape]
         self._next[shape] = (j + 1) % len(variants)
         return variants[j]()
+
+    def turn(self) -> list[Any]:
+        """Every batch of every shape once, in order (the checks that must see each of them)."""
+        return [step() for variants in self.steps for step in variants]
 
     def warm(self, calls: int = 3) -> list[list[float]]:
         """``--churn-warm``: each shape's first ``calls`` calls (its fresh batches in turn),
@@ -379,9 +388,11 @@ def churn_order(shapes: int, steps: int, walk: bool, seed: int = 0) -> list[int]
 def fresh_seed(rows: int, reqs: int, shape_reqs: int, variant: int) -> int:
     """The traffic seed of one batch of the loop at a row count of ``rows`` (``reqs``
     requests): the row count's own batch is seeded ``rows``, a ``--churn`` shape of
-    ``shape_reqs`` requests ``rows + shape_reqs``, and its ``--fresh`` batch ``variant`` (> 0)
-    that seed plus ``FRESH_STRIDE * variant`` (distinct from every other shape's and row
-    count's seeds)."""
+    ``shape_reqs`` requests ``rows + shape_reqs`` (the seeds of runs before ``--fresh``), and
+    its ``--fresh`` batch ``variant`` (> 0) that seed plus ``FRESH_STRIDE * variant``: distinct
+    from the shape's other batches and from every seed below ``FRESH_STRIDE``. (A ``--churn``
+    shape's seed may equal another row count's own, e.g. ``20 + 4`` and ``24``: another shape,
+    so other logits rows.)"""
     base = rows if shape_reqs == reqs else rows + shape_reqs
     return base + FRESH_STRIDE * variant
 
@@ -527,11 +538,17 @@ def _profile(step: Callable[[], Any], tag: str, show: bool = True) -> None:
 
 
 def _print_kernels(
-    traffic: Any, mix: str, prefill: Any, config: Any, paths: dict[str, Callable[[], Any]]
+    traffic: Any,
+    mix: str,
+    prefill: Any,
+    config: Any,
+    paths: dict[str, Callable[[], Any]],
+    show: bool = True,
 ) -> None:
     """``--kernels``: GPU us per call by kernel (:func:`benchmarks.timing.kernel_times`) of the
     plan's eager launches, the level-histogram plan's (top-p), the folded call as replayed (the
-    kernels inside its graphs, where the profiler sees them) and vLLM's chain."""
+    kernels inside its graphs, where the profiler sees them) and vLLM's chain. Every rank of a
+    TP group runs it (the paths' collectives), ``show`` prints (rank 0)."""
     from .timing import kernel_times
 
     rows = traffic.logits.shape[0]
@@ -545,6 +562,8 @@ def _print_kernels(
             steps[name] = paths[name]
     for name, step in steps.items():
         times = kernel_times(step)
+        if not show:
+            continue
         print(f"--- kernels: {name} {mix} rows={rows}: {sum(times.values()):.1f} us per call "
               f"in {len(times)} kernels", flush=True)  # fmt: skip
         for kname, us in list(times.items())[:16]:
@@ -553,10 +572,12 @@ def _print_kernels(
 
 def _syncs(step: Callable[[], Any]) -> str:
     """How one call synchronised with the device (:func:`shardmax.testing.syncs.host_syncs`:
-    torch's sync debug mode and the event / stream waits it does not report)."""
+    torch's sync debug mode and the event / stream waits it does not report); for a
+    :class:`_Cycle`, one call on each of its batches (the first sync found), so a sync that only
+    some batches make -- a flagged step's -- is seen."""
     from shardmax.testing.syncs import host_syncs
 
-    return host_syncs(step)
+    return host_syncs(step.turn if isinstance(step, _Cycle) else step)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -943,8 +964,8 @@ def _run(
                         f"flagged; {before} flagged before the device fallback); its first "
                         f"steps: {_calls([b.paths[name] for b in firsts])}"
                     )
-            if args.kernels and rank == 0:
-                _print_kernels(traffic, mix, prefill, config, paths)
+            if args.kernels:  # every rank: the paths' collectives; rank 0 prints
+                _print_kernels(traffic, mix, prefill, config, paths, show=rank == 0)
             if args.profile:
                 for name in (
                     "shardmax",
@@ -1029,6 +1050,8 @@ def _run(
                     f"  sync: {row['host_sync']}  {row['note']}",
                     flush=True,
                 )
+            # this row count's batches and paths go before the next row count's are built
+            del built, firsts, paths, timed_paths, traffic, kw, shards
     if rank == 0:
         csv_path = out_dir / "engine.csv"
         write_rows(csv_path, FIELDS, results)

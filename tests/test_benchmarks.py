@@ -650,6 +650,13 @@ def test_engine_fresh_batches_take_turns_per_shape() -> None:
     assert [int(r[0].shape[0]) for r in got] == [3, 3, 2, 3, 3, 2]
     ms = cycle.warm(calls=3)  # each shape's first calls go through its batches
     assert len(ms) == 2 and all(len(m) == 3 for m in ms)
+    # one call on every batch (the sync check's turn), leaving the loop's place as it was
+    turn = cycle.turn()
+    for res, key in zip(turn, [(3, 0), (3, 1), (2, 0), (2, 1)], strict=True):
+        alone = batches[(*key, "step")]()
+        assert all(torch.equal(a, b) for a, b in zip(res, alone, strict=True)), key
+    res, alone = cycle(), batches[3, 0, "step"]()  # the order resumes where it was
+    assert all(torch.equal(a, b) for a, b in zip(res, alone, strict=True))
 
 
 def test_engine_churn_walk_drifts_one_request_at_a_time() -> None:

@@ -542,8 +542,8 @@ def topp_fold_routing(runner: Any, input_batch: Any, device: torch.device) -> bo
     elsewhere; every request == vLLM's. On 8 fresh batches per shape (H100, 99b471f,
     ``benchmarks/results/sm90/engine_fresh_h100``, flags varying from step to step as in
     serving) -3.4 / +13.7 / +0.9 / +14.6 / +23.7 %. No row count is left to vLLM: whether 4
-    rows win depends on the host, not the batch -- on a slower host the same call gained 27 and
-    38 % at 4 rows and 0.5-66 % up to 64 rows, where vLLM's chain is host-bound.
+    rows win depends mostly on the host -- on a slower host, where vLLM's chain was host-bound
+    at 4-24 rows, the same call gained 27 and 38 % at 4 rows and 0.5-66 % up to 64 rows.
     False for other values of ``$SHARDMAX_VLLM_SAMPLED`` (``1`` routes every sampled step, ``0``
     none), for steps of more logits rows than one vLLM chunk (the candidate path's), for vLLM's
     synthetic rejection method (the fold refuses it) and wherever the fold is unavailable (the
