@@ -75,8 +75,57 @@ def _slow_by_default(item: pytest.Item) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--part") is not None:
+        config.pluginmanager.register(_Part(*_part(config.getoption("--part"))), "shardmax-part")
     if os.environ.get("SHARDMAX_SLOW_TESTS") == "1" and config.option.markexpr == DEFAULT_MARKEXPR:
         config.option.markexpr = "not e2e"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--part",
+        default=None,
+        metavar="I/N",
+        help="run only the I-th of N consecutive slices of the selected tests (after -m / -k; "
+        "scripts/gpu_checks.sh: one machine call per slice)",
+    )
+
+
+def _part(spec: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)``; a clear error for anything else."""
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--part: expected I/N (e.g. 1/3), got {spec!r}") from None
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"--part: expected 1 <= I <= N, got {spec!r}")
+    return i, n
+
+
+def part_of(
+    items: list[pytest.Item], i: int, n: int
+) -> tuple[list[pytest.Item], list[pytest.Item]]:
+    """``items`` split into N consecutive slices of near-equal counts: the I-th (1-based) and
+    the rest. Consecutive, so a file's tests stay together and their module fixtures are
+    built once per part; every item falls in exactly one slice."""
+    lo, hi = len(items) * (i - 1) // n, len(items) * i // n
+    return items[lo:hi], items[:lo] + items[hi:]
+
+
+class _Part:
+    """The ``--part I/N`` plugin: keeps the I-th slice of what -m / -k selected."""
+
+    def __init__(self, i: int, n: int) -> None:
+        self.i, self.n = i, n
+
+    @pytest.hookimpl(trylast=True)  # after the -m / -k selection (the mark plugin's hook)
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        kept, dropped = part_of(items, self.i, self.n)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.hookimpl(tryfirst=True)  # before the -m selection (the mark plugin's hook) runs
