@@ -3,9 +3,10 @@
 # (no network: carried wheels in .whl/ for optuna if present), runs every GPU-marked test of
 # tests/ (gpu, multigpu), then prints a short table. Usage:
 #   bash scripts/gpu_checks.sh [--part I/N] [extra pytest args] [test paths]
-# Without test paths it collects the whole of tests/. The full set takes longer than one
-# 10-minute machine command: run it as --part 1/3, 2/3, 3/3 (consecutive slices of the
-# selected tests, tests/conftest.py), one command each, and add up the tables.
+# Without test paths it collects the whole of tests/. The full set (about 12 minutes on an
+# H100) takes longer than one 10-minute machine command: run it as --part 1/3, 2/3, 3/3
+# (consecutive slices of the selected tests, tests/conftest.py), one command each, and add up
+# the tables.
 # Writes the JUnit XML and the log under ${OUT:-out}/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
