@@ -53,7 +53,9 @@ TOPP_HIST_TARGET_PROGRAMS = 528
 """Programs of the top-p histogram kernel over a step's rows (about 4 per SM of a 132-SM GPU):
 in a splits sweep on one H200 (benchmarks/topp_kernels.py, bf16, 32 and 160 rows, shards of
 19k-100k columns) 4 splits per row at 160 rows and 4-8 at 32 rows were fastest, 2 (the record
-kernel's target) 10-30 % slower. Untuned default until the tuner covers the family."""
+kernel's target) 10-30 % slower; at 4-32 rows on an H100 its 16 splits at block 4096 were the
+fastest of 8-64 with the merge counted (``benchmarks/results/sm90/topp_hist_splits_small``).
+Untuned default until the tuner covers the family."""
 TOPP_MERGE_PARTS = 8
 """Most split records ``topp_combine`` merges at once (its ``PARTS``: the next power of two of
 the row's splits, at most this; more in turn). On one H200 in the engine loop (V = 200064, TP
