@@ -6,7 +6,9 @@
 # Without test paths it collects the whole of tests/. The full set (about 12 minutes on an
 # H100) takes longer than one 10-minute machine command: run it as --part 1/3, 2/3, 3/3
 # (consecutive slices of the selected tests, tests/conftest.py), one command each, and add up
-# the tables.
+# the tables. Each part prints its slice and the selection id of the whole set: the ids must
+# agree (a machine missing .vllm-kernels collects fewer tests and its slices shift); a slice
+# with no test counts as a pass.
 # Writes the JUnit XML and the log under ${OUT:-out}/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,12 +40,23 @@ PY
 # carry .vllm-kernels (bash scripts/vllm_kernels.sh [the 0.33 wheel]); without it those skip
 [ -d .vllm-kernels ] && export SHARDMAX_VLLM_KERNELS=${SHARDMAX_VLLM_KERNELS:-$PWD/.vllm-kernels}
 start=$(date +%s)
-paths=()
-for a in "$@"; do case $a in tests/* | ./tests/*) paths+=("$a") ;; esac; done
+# an argument that names an existing file or folder (and is no option) is a test path
+paths=() part=0
+for a in "$@"; do
+  case $a in
+    --part | --part=*) part=1 ;;
+    -*) ;;
+    *) [ -e "${a%%::*}" ] && paths+=("$a") ;;
+  esac
+done
 [ ${#paths[@]} -gt 0 ] || set -- "$@" tests/
 python3 -m pytest -m "gpu or multigpu" -q -p no:cacheprovider --junitxml="$OUT_DIR/gpu-tests.xml" "$@" \
   2>&1 | tee "$OUT_DIR/gpu-tests.log" | tail -25
 rc=${PIPESTATUS[0]}
+if [ "$rc" = 5 ] && [ "$part" = 1 ]; then
+  echo "(no test in this slice: pytest's exit code 5 counted as a pass)"
+  rc=0
+fi
 python3 - "$OUT_DIR/gpu-tests.xml" "$(( $(date +%s) - start ))" <<'PY'
 import collections, sys, xml.etree.ElementTree as ET
 root = ET.parse(sys.argv[1]).getroot()

@@ -13,7 +13,9 @@ their warnings are vLLM's, so those tests keep pytest's default (warnings shown,
 
 from __future__ import annotations
 
+import hashlib
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -113,19 +115,39 @@ def part_of(
 
 
 class _Part:
-    """The ``--part I/N`` plugin: keeps the I-th slice of what -m / -k selected."""
+    """The ``--part I/N`` plugin: keeps the I-th slice of what -m / -k selected, and says which
+    slice of which selection it ran (:func:`selection_id`): the parts of one set run in
+    separate processes, often on separate machines, so a part that collected a different set
+    (a file skipped at import there, vLLM's kernels missing) would leave tests unrun between
+    the slices -- equal selection ids across the parts show it did not."""
 
     def __init__(self, i: int, n: int) -> None:
         self.i, self.n = i, n
+        self.line = ""
 
     @pytest.hookimpl(trylast=True)  # after the -m / -k selection (the mark plugin's hook)
     def pytest_collection_modifyitems(
         self, config: pytest.Config, items: list[pytest.Item]
     ) -> None:
+        total, ident = len(items), selection_id(items)
         kept, dropped = part_of(items, self.i, self.n)
+        first = total * (self.i - 1) // self.n
+        self.line = (
+            f"--part {self.i}/{self.n}: tests {first + 1}-{first + len(kept)} of {total} "
+            f"selected, selection id {ident} (the same in every part of one set)"
+        )
         if dropped:
             config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        terminalreporter.write_line(self.line)
+
+
+def selection_id(items: list[pytest.Item]) -> str:
+    """A short digest of the selected tests' ids, in order."""
+    digest = hashlib.sha1("\n".join(item.nodeid for item in items).encode())
+    return digest.hexdigest()[:12]
 
 
 @pytest.hookimpl(tryfirst=True)  # before the -m selection (the mark plugin's hook) runs

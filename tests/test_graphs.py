@@ -1023,24 +1023,32 @@ def test_gpu_greedy_allreduce_step_replays_its_in_place_max() -> None:
     _greedy_allreduce_replays("cuda", 151936)
 
 
-@pytest.mark.parametrize("edge", ["one", "block-1", "block", "block+1", "2block+3"])
+@pytest.mark.parametrize("edge", ["zero", "one", "block-1", "block", "block+1", "2block+3"])
 def test_table_fetch_copies_every_entry_and_acknowledges_its_request(edge: str) -> None:
     """``table_fetch``: the ``n`` entries land in the device table and the request number the
     host left after them comes back as the acknowledgement, for tables around the kernel's
-    ``BLOCK`` (one entry, one short of it, at it, past it, more than twice it); nothing past
-    ``n`` is written. On the GPU as well where there is one (page-locked host memory)."""
+    ``BLOCK`` (none, one entry, one short of it, at it, past it, more than twice it); nothing
+    past ``n`` is written, the host's entries and request stay as they were. Entries and
+    requests span int64 (its limits, negatives, values past int32). On the GPU as well where
+    there is one (page-locked host memory)."""
     fetch = kernels.kernel("table_fetch")
     block = int(fetch.module.BLOCK)
-    n = {"one": 1, "block-1": block - 1, "block": block, "block+1": block + 1,
+    n = {"zero": 0, "one": 1, "block-1": block - 1, "block": block, "block+1": block + 1,
          "2block+3": 2 * block + 3}[edge]  # fmt: skip
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    src = torch.arange(1000, 1000 + n + 2, dtype=torch.int64, pin_memory=dev == "cuda")
-    src[n] = 4242 + n  # the request number
-    src[n + 1] = -1  # the acknowledgement, not yet written
-    dst = torch.full((n + 8,), -7, dtype=torch.int64, device=dev)
-    fetch((1,), dst, src, n, BLOCK=block)
-    if dev == "cuda":
-        torch.cuda.synchronize()
-    assert torch.equal(dst[:n].cpu(), src[:n])
-    assert (dst[n:] == -7).all()
-    assert int(src[n + 1]) == 4242 + n
+    big = 2**62 + 12345
+    src = torch.arange(n + 2, dtype=torch.int64, pin_memory=dev == "cuda") * 3 - big
+    src[:n:3] = torch.iinfo(torch.int64).max  # the limits, and values past int32
+    src[1:n:5] = torch.iinfo(torch.int64).min
+    for request in (-(2**40) - 7 - n, 2**33 + n):  # negative, then past int32
+        src[n] = request
+        src[n + 1] = -1  # the acknowledgement, not yet written
+        host = src[: n + 1].clone()
+        dst = torch.full((n + 8,), -7, dtype=torch.int64, device=dev)
+        fetch((1,), dst, src, n, BLOCK=block)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(dst[:n].cpu(), src[:n])
+        assert (dst[n:] == -7).all()
+        assert torch.equal(src[: n + 1], host), "the host's entries or request changed"
+        assert int(src[n + 1]) == request

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import _part, part_of
+from tests.conftest import _part, part_of, selection_id
 
 
 @pytest.mark.parametrize("count", [0, 1, 2, 7, 89, 267])
@@ -29,3 +29,17 @@ def test_bad_part_is_a_usage_error(spec: str) -> None:
 
 def test_good_part() -> None:
     assert _part("2/3") == (2, 3)
+
+
+class _Item:
+    def __init__(self, nodeid: str) -> None:
+        self.nodeid = nodeid
+
+
+def test_selection_id_tells_selections_apart() -> None:
+    """Parts that collected different sets (a file missing on one machine) show different ids."""
+    full = [_Item(f"tests/test_{k}.py::t") for k in range(9)]
+    ident = selection_id(full)  # type: ignore[arg-type]
+    assert ident == selection_id([_Item(i.nodeid) for i in full])  # type: ignore[arg-type]
+    assert ident != selection_id(full[:-1])  # type: ignore[arg-type]
+    assert ident != selection_id(full[1:] + full[:1])  # type: ignore[arg-type]
