@@ -1023,21 +1023,25 @@ def test_gpu_greedy_allreduce_step_replays_its_in_place_max() -> None:
     _greedy_allreduce_replays("cuda", 151936)
 
 
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("edge", ["zero", "one", "block-1", "block", "block+1", "2block+3"])
-def test_table_fetch_copies_every_entry_and_acknowledges_its_request(edge: str) -> None:
+def test_table_fetch_copies_every_entry_and_acknowledges_its_request(edge: str, dev: str) -> None:
     """``table_fetch``: the ``n`` entries land in the device table and the request number the
     host left after them comes back as the acknowledgement, for tables around the kernel's
     ``BLOCK`` (none, one entry, one short of it, at it, past it, more than twice it); nothing
     past ``n`` is written, the host's entries and request stay as they were. Entries and
-    requests span int64 (its limits, negatives, values past int32). On the GPU as well where
-    there is one (page-locked host memory)."""
+    requests span int64 (its limits, negatives, values past int32). On the CPU (the
+    interpreter) and on the GPU (page-locked host memory read in place)."""
     fetch = kernels.kernel("table_fetch")
     block = int(fetch.module.BLOCK)
     n = {"zero": 0, "one": 1, "block-1": block - 1, "block": block, "block+1": block + 1,
          "2block+3": 2 * block + 3}[edge]  # fmt: skip
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and torch.cuda.is_available():
+        pytest.skip("the interpreter runs only without a GPU (tests/conftest.py)")
     big = 2**62 + 12345
-    src = torch.arange(n + 2, dtype=torch.int64, pin_memory=dev == "cuda") * 3 - big
+    src = torch.arange(n + 2, dtype=torch.int64) * 3 - big
+    if dev == "cuda":
+        src = src.pin_memory()  # read in place by the GPU, as a slot's table is
     src[:n:3] = torch.iinfo(torch.int64).max  # the limits, and values past int32
     src[1:n:5] = torch.iinfo(torch.int64).min
     for request in (-(2**40) - 7 - n, 2**33 + n):  # negative, then past int32
