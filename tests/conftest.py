@@ -6,6 +6,9 @@ CUDA/ROCm device; ``multigpu`` ones need two. Tests marked ``slow`` are deselect
 ``pyproject.toml``'s ``addopts``; ``SHARDMAX_SLOW_TESTS=1`` (or ``scripts/test.sh --slow``, or
 any ``-m`` expression on the command line) brings them back.
 
+``--part I/N`` runs the I-th of N consecutive slices of the selected tests
+(``scripts/gpu_checks.sh`` runs the GPU set in three).
+
 Warnings: ``pyproject.toml`` turns every RuntimeWarning and every warning from the project's own
 modules into an error. Tests marked ``e2e`` run vLLM's own code and kernels in this process;
 their warnings are vLLM's, so those tests keep pytest's default (warnings shown, not fatal).
