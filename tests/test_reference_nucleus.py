@@ -187,6 +187,60 @@ def _pack_pair(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return (h << 32) | lw
 
 
+def test_tiny_p_whose_trim_vllm_rounds_is_flagged() -> None:
+    """A top-p far below the top token's probability: vLLM trims ``uint32((C_1 - p) / p_1)``
+    boundary ties in fp32, which rounds to 1 there -- the top token trimmed, every logit masked,
+    token 0 sampled (vLLM 0.32 / 0.33, found by a review) -- so the guard flags the row
+    (MASS_MARGIN) where the budget ``p`` is within those roundings, in the reference and in the
+    ``sampled_merge`` kernel, and still passes a budget well above them (``p`` = 1e-6 on a row
+    whose top token has ~1/4 of the mass: ``test_p_one_and_tiny_p``)."""
+    from shardmax.reference.nucleus import FP32_EPS
+
+    row = torch.randn(600, generator=torch.Generator().manual_seed(3)) * 2.0
+    row[17] += 30.0  # one token with almost all the mass
+    for p, flagged in ((1e-8, True), (3 * FP32_EPS * 0.99, True), (1e-5, False)):
+        d, _ = _guard_row(row, 2, 64, p, 100)
+        want = GuardReason.MASS_MARGIN if flagged else GuardReason.OK
+        assert d.reason == want, (p, d.reason)
+        if not flagged:
+            assert d.kept_ids == (17,)
+    _, unsafe = _merge_rows(row[None].expand(3, -1).clone(), torch.tensor([1e-8, 3.5e-7, 1e-5]))
+    assert unsafe.tolist() == [3, 3, 0]
+
+
+def _merge_rows(x: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sampled_merge`` on rows ``x`` of one rank whose candidates are its exact top 64 keys:
+    (kept count, guard code) per row."""
+    from shardmax.ops.sampled import merge_candidates
+    from shardmax.runtime.keys import pack_keys
+    from shardmax.runtime.validation import check_step_batch
+
+    c = 64
+    n, vocab = x.shape
+    keys = pack_keys(x, torch.arange(vocab).expand(n, vocab))
+    cand = torch.topk(keys, c, dim=1).values
+    m = x.max(dim=1).values
+    s = torch.exp(x - m[:, None]).sum(dim=1)
+    words = torch.zeros(n, 4, dtype=torch.int64)  # one part: key, (m, s), (xd, flag), min
+    words[:, 1] = _pack_pair(m, s)
+    words[:, 3] = _pack_pair(x.min(dim=1).values, torch.zeros(n))
+    gathered = torch.cat([words.view(-1), cand.view(-1)]).view(1, -1)
+    batch = check_step_batch(
+        n, x.device, torch.zeros(n, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32),
+        torch.zeros(n, dtype=torch.int64), torch.arange(n, dtype=torch.int32),
+        torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int64), 1,
+        temperature=torch.ones(n), top_p=top_p,
+    )  # fmt: skip
+    merged = torch.empty((n, c), dtype=torch.int64)
+    keep = torch.empty(n, dtype=torch.int32)
+    unsafe = torch.empty(n, dtype=torch.int8)
+    merge_candidates(
+        gathered, 1, n, 4, torch.arange(n), batch, (merged, keep, unsafe), vocab=vocab,
+        candidates=c, rows_in_step=100,
+    )  # fmt: skip
+    return keep, unsafe
+
+
 @pytest.mark.parametrize("rows_in_step", [8, 100])
 def test_sampled_merge_keeps_the_exact_nucleus(rows_in_step: int) -> None:
     """The ``sampled_merge`` kernel (merge + kept count + guard of the sharded finish), one rank:

@@ -326,6 +326,40 @@ def test_top_p_masks_a_draft_outside_the_nucleus(chain: NativeChain) -> None:
 
 @pytest.mark.e2e
 @by_version
+def test_tiny_top_p_is_vllms_or_flagged(chain: NativeChain) -> None:
+    """A top-p far below the top token's probability: vLLM's fp32 trim of the boundary ties
+    takes the top token too and masks the whole row (token 0 sampled), the exact nucleus keeps
+    it; ``sharded_verify``'s candidate path flags such requests and equals vLLM's chain on every
+    request it does not flag (found by a review: tokens differed, unflagged, at 1e-8)."""
+    import shardmax
+
+    vocab = 300
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(12, vocab, generator=gen) * 2
+    x[torch.arange(12), torch.randint(0, vocab, (12,), generator=gen)] += 30.0  # peaked rows
+    flagged = 0
+    for p in (1e-8, 2e-7, 1e-5):
+        b = random_verify_batch(4, 2, vocab, seed=7, prefill_prob=0.0, logits=x, accept_prob=0.8)
+        temp = torch.zeros(b.max_num_reqs)
+        temp[b.idx_mapping.long()] = 1.0
+        top_p = torch.full((b.max_num_reqs,), p)
+        res = shardmax.sharded_verify(
+            b.logits, *b.args()[:5], temp, b.seed, b.num_speculative_steps, vocab_start=0,
+            top_p=top_p, **b.kwargs(),
+        )  # fmt: skip
+        out = chain.verify(b.logits, **verify_inputs(b, temperature=temp, top_p=top_p))
+        keep = ~res.fallback
+        flagged += int(res.fallback.sum())
+        if p == 1e-8:
+            assert bool(res.fallback.all()), res.fallback
+        ours = (res.sampled[keep], res.num_sampled[keep], res.num_rejected[keep])
+        _assert_same(ours, (out.sampled[keep], out.num_sampled[keep], out.num_rejected[keep]),
+                     f"top-p {p}")  # fmt: skip
+    assert flagged >= 4
+
+
+@pytest.mark.e2e
+@by_version
 def test_min_p_matches_reference(chain: NativeChain) -> None:
     """Min-p 0.05 / 0.2 / off: vLLM's kept sets are the reference rule's and the step equals the
     reference with ``min_p``."""

@@ -233,7 +233,12 @@ def nucleus_guard(
       first excluded value must lie above ``tau``.
     * ``MASS_MARGIN``: ``|C_j - p|`` and ``|C_{j-1} - p|`` must exceed ``delta C + j 2**-23``
       (LSE error ``delta`` and fp32 accumulation of ``j`` terms), else vLLM's rounding can move
-      the boundary by one.
+      the boundary by one; and the budget ``p - C_{j-1}`` must exceed ``delta C_{j-1} + (j + 2)
+      2**-23`` (``C_0 = 0``): vLLM trims ``uint32((C_j - p) / p_j)`` boundary ties, whose three
+      fp32 roundings (the sum's ``j`` terms, the difference, the quotient) reach a whole tie
+      when the budget is within them -- a top-p far below the top token's probability (``p``
+      below ~2**-25 ``p_1``) then trims the top token itself and vLLM masks the whole row
+      (found by a review: token 0 where the exact nucleus keeps the top token, unflagged).
     * ``TIE_STRADDLE``: last kept value == first excluded value -- vLLM's monolithic kernel keeps
       every tied id, its split pipeline keeps them in index order (§1.5).
     * ``NOT_CONVERGED``: every row with both min-p and top-p (vLLM's top-p search runs on the
@@ -314,8 +319,10 @@ def nucleus_guard(
         return NucleusDecision(GuardReason.NOT_COVERED)
     c_j = float(mass[j - 1])
     c_prev = float(mass[j - 2]) if j >= 2 else 0.0
-    if abs(c_j - top_p) <= delta * c_j + j * FP32_EPS or (
-        j >= 2 and abs(c_prev - top_p) <= delta * c_prev + (j - 1) * FP32_EPS
+    if (
+        abs(c_j - top_p) <= delta * c_j + j * FP32_EPS
+        or (j >= 2 and abs(c_prev - top_p) <= delta * c_prev + (j - 1) * FP32_EPS)
+        or top_p - c_prev <= delta * c_prev + (j + 2) * FP32_EPS
     ):
         return NucleusDecision(GuardReason.MASS_MARGIN)
     if v_last == v_next:
