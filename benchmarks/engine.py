@@ -345,6 +345,20 @@ class _Cycle:
         """Every batch of every shape once, in order (the checks that must see each of them)."""
         return [step() for variants in self.steps for step in variants]
 
+    def held_calls(self, run: Callable[[Callable[[], Any]], Any], keep: int) -> list[Any]:
+        """Every batch of every shape once, in order, each through ``run(call)`` while the
+        ``keep`` results before it are held (older ones released, as an engine releases them);
+        returns what ``run`` returned for each. Like :meth:`turn`, the loop's place is left as
+        it was."""
+        held: list[Any] = []
+        got = []
+        for variants in self.steps:
+            for step in variants:
+                box: list[Any] = []
+                got.append(run(lambda step=step, box=box: box.append(step())))
+                held = (held + box)[-keep:] if keep else []
+        return got
+
     def warm(self, calls: int = 3) -> list[list[float]]:
         """``--churn-warm``: each shape's first ``calls`` calls (its fresh batches in turn),
         before the timed loop; the wall ms of each (the device synchronised around it: a first
@@ -574,10 +588,25 @@ def _syncs(step: Callable[[], Any]) -> str:
     """How one call synchronised with the device (:func:`shardmax.testing.syncs.host_syncs`:
     torch's sync debug mode and the event / stream waits it does not report); for a
     :class:`_Cycle`, one call on each of its batches (the first sync found), so a sync that only
-    some batches make -- a flagged step's -- is seen."""
+    some batches make -- a flagged step's -- is seen. Each call is checked on its own, as the
+    loop makes it: the host not more than :data:`ENGINE_HELD` steps ahead (``host_syncs``
+    starts each call on an idle device) and the :data:`ENGINE_HELD` results before it held --
+    not every result, and not back to back: a caller holding more outputs than a replayed
+    plan's output slots (:data:`~shardmax.runtime.graphs.SLOTS`), or running further ahead
+    than the GPU has fetched them, takes the copy-out path, whose folded fallback is a second
+    call with a capture of its own (a sync; 97fdbac's check did that and reported it as the
+    call's)."""
     from shardmax.testing.syncs import host_syncs
 
-    return host_syncs(step.turn if isinstance(step, _Cycle) else step)
+    if not isinstance(step, _Cycle):
+        return host_syncs(step)
+    found = step.held_calls(host_syncs, ENGINE_HELD)
+    return next((f for f in found if f != "none"), "none")
+
+
+ENGINE_HELD = 2
+"""Steps' outputs vLLM holds while it makes the next call (``max_concurrent_batches`` with async
+scheduling; module docstring, 0.)."""
 
 
 def main(argv: list[str] | None = None) -> int:

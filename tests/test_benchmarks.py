@@ -659,6 +659,46 @@ def test_engine_fresh_batches_take_turns_per_shape() -> None:
     assert all(torch.equal(a, b) for a, b in zip(res, alone, strict=True))
 
 
+def test_engine_sync_check_holds_what_the_engine_holds() -> None:
+    """The sync check calls a cycle's batches one by one through its checker, holding the
+    ``ENGINE_HELD`` results before each call and releasing older ones (vLLM holds two steps'
+    outputs; holding every result would push a replayed plan past its output slots into a path
+    no engine step takes), and returns the checker's verdict per call; ``turn`` holds them
+    all."""
+    import gc
+    import weakref
+
+    from benchmarks.engine import ENGINE_HELD, _Cycle
+
+    class Out:
+        pass
+
+    made: list[weakref.ref] = []
+    alive_at_call: list[int] = []
+
+    def step() -> Out:
+        gc.collect()
+        alive_at_call.append(sum(r() is not None for r in made))
+        out = Out()
+        made.append(weakref.ref(out))
+        return out
+
+    def checker(call) -> str:
+        call()
+        return f"call {len(alive_at_call)}"
+
+    cycle = _Cycle([[step, step, step], [step, step]])
+    got = cycle.held_calls(checker, ENGINE_HELD)
+    assert ENGINE_HELD == 2 and alive_at_call == [0, 1, 2, 2, 2]
+    assert got == [f"call {i}" for i in range(1, 6)]
+    gc.collect()
+    assert sum(r() is not None for r in made) == 0  # nothing kept past the check
+    made.clear()
+    alive_at_call.clear()
+    every = cycle.turn()
+    assert alive_at_call == [0, 1, 2, 3, 4] and len(every) == 5
+
+
 def test_engine_churn_walk_drifts_one_request_at_a_time() -> None:
     """``--churn-order walk``: a seeded random walk over the shapes that stays inside them and
     moves at most one request per step, also where the order repeats (and reaches beyond a few
