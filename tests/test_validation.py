@@ -97,3 +97,38 @@ def test_placeholder_draft_is_legal() -> None:
     sampled, num_sampled, _ = _call(b, draft_sampled=d)
     assert int(num_sampled[0]) >= 1
     assert sampled.shape == (3, 4)
+
+
+def test_broadcast_and_negated_logits_are_refused_by_name() -> None:
+    """Rows broadcast by ``expand()`` (row stride 0) and tensors carrying torch's lazy negation
+    bit (whose storage holds the negated values: the kernels read the storage) are refused
+    naming ``local_logits`` (found by a review: the first named an internal ``row_stride``, the
+    second returned the argmax of the storage)."""
+    with pytest.raises(ValueError, match="local_logits: row stride 0"):
+        shardmax.vocab_parallel_argmax(torch.randn(1, 64).expand(4, 64), vocab_start=0)
+    neg = torch._neg_view(torch.randn(2, 64))
+    with pytest.raises(ValueError, match="local_logits: carries torch's lazy negation"):
+        shardmax.vocab_parallel_argmax(neg, vocab_start=0)
+    got = shardmax.vocab_parallel_argmax(neg.resolve_neg(), vocab_start=0)
+    assert torch.equal(got, torch.argmax(neg, dim=-1))
+    one = torch.randn(1, 64).expand(1, 64)  # one row: its stride is never used
+    assert torch.equal(shardmax.vocab_parallel_argmax(one, vocab_start=0), one.argmax(-1))
+
+
+def test_greedy_plan_refuses_a_sampled_batch() -> None:
+    """A greedy plan given a batch with temperatures (a sampled step) raises instead of
+    verifying it greedily (found by a review: it returned greedy answers for T = 1)."""
+    from shardmax.plan import VocabShard
+    from shardmax.runtime.validation import check_step_batch
+
+    b = random_verify_batch(3, 2, 64, seed=1, prefill_prob=0.0)
+    rows = b.logits.shape[0]
+    shard = VocabShard(vocab_start=0, num_valid=64, width=64, dtype=b.logits.dtype,
+                       device=b.logits.device)  # fmt: skip
+    args = (rows, b.logits.device, *b.args()[:5], b.seed, b.num_speculative_steps)
+    greedy = check_step_batch(*args)
+    sampled = check_step_batch(*args, temperature=torch.ones(b.max_num_reqs))
+    plan = shard.greedy_verify(rows)
+    plan.run(b.logits, greedy)
+    with pytest.raises(ValueError, match="temperature: a greedy plan"):
+        plan.run(b.logits, sampled)

@@ -130,7 +130,17 @@ class GreedyVerifyPlan:
         self, local_logits: torch.Tensor, batch: StepBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Greedy verification of one step from this rank's shard; identical on every rank. No
-        host sync; CUDA-graph capturable."""
+        host sync; CUDA-graph capturable.
+
+        Raises:
+            ValueError: ``batch`` carries temperatures (a sampled step: :class:`~shardmax.ops.
+                sampled.SampledVerifyPlan` verifies it), or another plan's row count; what
+                :meth:`local` raises for the logits."""
+        if batch.temperature is not None:
+            raise ValueError(
+                "temperature: a greedy plan verifies every request greedily; a batch with "
+                "temperatures is a sampled step (VocabShard.verify / sharded_verify)"
+            )
         if batch.num_reqs == 0:
             self.ctx.check_logits(local_logits, self.num_logits, self.row_stride)
             return verify_finish(

@@ -95,6 +95,17 @@ def check_local_logits(
             f"local_logits: last dim must be contiguous (stride(1) == 1), got strides "
             f"{tuple(local_logits.stride())}"
         )
+    if local_logits.shape[0] > 1 and local_logits.stride(0) < 1:
+        raise ValueError(
+            f"local_logits: row stride {local_logits.stride(0)} (rows broadcast, e.g. by "
+            f"expand()) for shape {tuple(local_logits.shape)}; expected rows of their own "
+            "(.contiguous())"
+        )
+    if local_logits.is_neg():  # the kernels read the storage, not torch's lazy negation
+        raise ValueError(
+            "local_logits: carries torch's lazy negation bit (is_neg()); pass "
+            "local_logits.resolve_neg()"
+        )
     width = local_logits.shape[1]
     vocab_start = check_int("vocab_start", vocab_start, 0)
     if num_valid is None:
