@@ -24,7 +24,12 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from shardmax.runtime.defaults import DEFAULT_RECORD_BLOCK, DRAW_WARPS, topp_split_replay_warps
+from shardmax.runtime.defaults import (
+    DEFAULT_RECORD_BLOCK,
+    DRAW_WARPS,
+    topp_combine_warps,
+    topp_split_replay_warps,
+)
 from shardmax.runtime.variants import DTYPES, VariantKey, parse_name
 
 from .aot import LOCAL_FAMILIES
@@ -41,24 +46,17 @@ _SPLIT_REPLAY = (
     "TP 1, four machine sessions) it took 59.0-60.4 us at 4 and 32 rows against 77.4-79.6 at 4 "
     "warps, every request == vLLM's (benchmarks/results/sm90/topp_replay_warps)"
 )
-_COMBINE_PARTS4 = (
-    "8 B of stack merging 4 split records at once at 8 warps; measured with it (H100, 160 rows, "
-    "4 splits per row): 4.7 us against 7.5 for one at a time, which spills nothing"
-)
 KNOWN_SPILLS: dict[str, dict[str, str]] = {
     "sm90": {
-        **{
-            f"topp_replay_{d}@w8[{c}]": _SPLIT_REPLAY
-            for d in ("bf16", "fp16")
-            for c in SPLIT_SEARCHES
-        },
-        **{f"topp_combine_{d}[parts4]": _COMBINE_PARTS4 for d in ("bf16", "fp16")},
+        f"topp_replay_{d}@w8[{c}]": _SPLIT_REPLAY for d in ("bf16", "fp16") for c in SPLIT_SEARCHES
     },
     "gfx950": {},
 }
 """Spills of selectable launches that are known and accepted for now, per arch, with why (keys:
-:func:`launch_name`): on sm90 the split top-p searches at 8 warps and the top-p combine's
-of 4 splits (gfx950 runs the searches at 4 wavefronts of 64 lanes, which do not spill). (The
+:func:`launch_name`): on sm90 the split top-p searches at 8 warps (gfx950 runs them at 4
+wavefronts of 64 lanes, which do not spill). (The top-p combine's merge of 4 splits, which
+spilled 8 B at 8 warps on sm90, launches at 4 warps there since: no spill,
+``shardmax.runtime.defaults.TOPP_COMBINE_PARTS4_WARPS``.) (The
 gfx950 entries this once held -- every ``sampled_record_*_b2048`` and ``sampled_finish_tp{2,4,8}``
 -- were SGPR spills into VGPR lanes, no memory traffic, which the report counted as bytes; they
 are ``sgpr_spills`` now, see :mod:`generator.aot`.)"""
@@ -67,8 +65,15 @@ are ``sgpr_spills`` now, see :mod:`generator.aot`.)"""
 def config_warps(arch: str) -> dict[tuple[str, str], int]:
     """``(family, config)`` a launch on ``arch`` makes at warps of its own rather than its
     variant's: the split top-p searches (:func:`shardmax.ops.topp.topp_kept_sets`' launch, at
-    :func:`shardmax.runtime.defaults.topp_split_replay_warps`)."""
-    return {("topp_replay", c): topp_split_replay_warps(arch) for c in SPLIT_SEARCHES}
+    :func:`shardmax.runtime.defaults.topp_split_replay_warps`) and, where
+    :func:`shardmax.runtime.defaults.topp_combine_warps` names warps, the top-p combine's
+    constexpr sets (``parts<N>``)."""
+    own = {("topp_replay", c): topp_split_replay_warps(arch) for c in SPLIT_SEARCHES}
+    for parts in (2, 4):
+        warps = topp_combine_warps(parts, arch)
+        if warps is not None:
+            own[("topp_combine", f"parts{parts}")] = warps
+    return own
 
 
 PHASE1 = "phase1"

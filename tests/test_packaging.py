@@ -207,7 +207,11 @@ def test_split_topp_searches_launch_at_their_own_warps_on_each_arch() -> None:
         report = json.loads((generated_dir() / arch / "resources.json").read_text())
         per = report["variants"]
         warps = topp_split_replay_warps(arch)
-        assert config_warps(arch) == {("topp_replay", c): warps for c in SPLIT_SEARCHES}
+        combine = {("topp_combine", "parts4"): 4} if arch == "sm90" else {}
+        assert config_warps(arch) == {
+            **{("topp_replay", c): warps for c in SPLIT_SEARCHES},
+            **combine,
+        }
         extra = {
             launch_name(x, int(per[x.variant]["num_warps"]))
             for x in extra_launches(generated_dir(), arch, per)
@@ -280,6 +284,45 @@ def test_hip_report_counts_memory_spills_not_sgpr_lane_spills() -> None:
     assert _hip_resources(seg)["spill_bytes"] == 20
     assert _hip_resources(asm(0, 40, 160))["spill_bytes"] == 160
     assert _hip_resources(asm(0, 0, 64))["spill_bytes"] == 0  # a private array, no spill
+
+
+def test_topp_combine_launch_uses_the_reports_warps(monkeypatch) -> None:
+    """The runtime's ``topp_combine`` launch gives the merge of 3-4 splits (``PARTS`` 4) the
+    warps the AOT report compiles that set at on this platform (:func:`config_warps`: 4 on
+    sm90, where 8 spilled) and leaves the merges of 2 and of 5+ splits at the module's own; the
+    report holds the sm90 set at 4 warps, spill-free."""
+    import torch
+
+    import shardmax.ops.topp as topp
+    from generator.spills import config_warps
+
+    seen: list[dict[str, object]] = []
+
+    def fake_kernel(name: str):
+        def launch(grid, *args, **kwargs):
+            seen.append({"name": name, **kwargs})
+
+        return launch
+
+    monkeypatch.setattr(topp, "kernel", fake_kernel)
+    arch = "gfx950" if torch.version.hip else "sm90"
+    x = torch.zeros(2, 4096 * 16, dtype=torch.bfloat16)
+    t = torch.ones(2)
+    out = torch.zeros(2, topp.RECORD_WORDS, dtype=torch.int32)
+    for splits in (2, 3, 4, 16):
+        scratch = torch.zeros(2 * splits, topp.RECORD_WORDS, dtype=torch.int32)
+        counts = torch.zeros(2 * splits, topp.HIST_LEVELS, dtype=torch.int32)
+        topp.topp_histograms(x, t, num_valid=x.shape[1], vocab_start=0, block=4096,
+                             splits=splits, out=out, scratch=scratch, counts=counts)  # fmt: skip
+    combines = [s for s in seen if str(s["name"]).startswith("topp_combine")]
+    assert [s["PARTS"] for s in combines] == [2, 4, 4, 8]
+    own = config_warps(arch)
+    want = [own.get(("topp_combine", f"parts{p}")) for p in (2, 4, 4)] + [None]
+    assert [s.get("num_warps") for s in combines] == want
+    report = json.loads((generated_dir() / "sm90" / "resources.json").read_text())
+    for d in ("bf16", "fp16"):
+        entry = report["launches"][f"topp_combine_{d}@w4[parts4]"]
+        assert entry["num_warps"] == 4 and entry["spill_bytes"] == 0, entry
 
 
 def test_split_topp_search_launch_uses_the_reports_warps(monkeypatch) -> None:

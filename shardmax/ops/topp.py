@@ -29,6 +29,7 @@ from shardmax.runtime.defaults import (
     TOPP_HIST_TARGET_PROGRAMS,
     TOPP_MERGE_PARTS,
     default_record_splits,
+    topp_combine_warps,
     topp_split_replay_warps,
 )
 from shardmax.runtime.indirect import logits_arg
@@ -47,7 +48,9 @@ __all__ = [
     "topp_kept_sets",
 ]
 
-_SPLIT_REPLAY_WARPS = topp_split_replay_warps("gfx" if torch.version.hip else "sm")
+_ARCH_FAMILY = "gfx" if torch.version.hip else "sm"
+"""This platform's arch family, for the launches whose warps depend on it."""
+_SPLIT_REPLAY_WARPS = topp_split_replay_warps(_ARCH_FAMILY)
 """Warps of the split top-p searches on this platform (AMD wavefronts are 64 lanes wide)."""
 
 RECORD_WORDS = HIST_LEVELS // 2 + 8
@@ -137,9 +140,11 @@ def _launch_local(
         INDIRECT=indirect,
     )  # fmt: skip
     if splits > 1:
+        parts = merge_block(splits)
+        warps = topp_combine_warps(parts, _ARCH_FAMILY)
         kernel(VariantKey("topp_combine", dtype=dtype_name).name)(
-            (rows,), dest, temperature, out, rows, splits, LEVELS=HIST_LEVELS,
-            PARTS=merge_block(splits),
+            (rows,), dest, temperature, out, rows, splits, LEVELS=HIST_LEVELS, PARTS=parts,
+            **({} if warps is None else {"num_warps": warps}),
         )  # fmt: skip
 
 

@@ -121,6 +121,24 @@ def topp_split_replay_warps(arch: str) -> int:
     return TOPP_SPLIT_REPLAY_THREADS // (64 if arch.startswith("gfx") else 32)
 
 
+TOPP_COMBINE_PARTS4_WARPS = 4
+"""Warps of ``topp_combine``'s merge of 3-4 split records per row (``PARTS`` 4) on NVIDIA; its
+other launches, and every launch on AMD, keep the module's ``NUM_WARPS`` (8). At 8 warps ptxas
+gives that set 128 registers and spills 8 B per thread on sm90 (4 warps: 189 registers, no
+spill; gfx950 spills at neither). On one H100 (``benchmarks/results/sm90/topp_combine_warps``,
+V = 200064 bf16 records, graph replay, PDL off) 4 warps took 4.60 / 4.67 us at 160 / 256 rows of
+4 splits against 4.53 / 4.64 at 8, 8.07 against 8.25 at 512 rows of 4 splits, and 5.11 against
+4.81 at 160 rows of 3 splits; every launch's records == the default launch's. Untuned default
+until the tuner covers the family."""
+
+
+def topp_combine_warps(parts: int, arch: str) -> int | None:
+    """Warps of ``topp_combine`` merging ``parts`` split records at once on ``arch``
+    (``"sm90"``-style or ``"gfx950"``-style): :data:`TOPP_COMBINE_PARTS4_WARPS` for ``PARTS``
+    4 on NVIDIA, else None (the module's own ``NUM_WARPS``)."""
+    return TOPP_COMBINE_PARTS4_WARPS if parts == 4 and not arch.startswith("gfx") else None
+
+
 def default_record_splits(
     rows: int,
     width: int,
