@@ -483,7 +483,7 @@ def test_table_only_jobs_run_without_the_interpreter_and_say_when_the_report_lag
 
     from generator.render import generated_dir
     from generator.spills import SPLIT_SEARCHES, extra_launches, launch_name
-    from shardmax.runtime.defaults import topp_split_replay_warps
+    from shardmax.runtime.defaults import topp_combine_warps, topp_split_replay_warps
 
     def no_rerun(*a, **k):
         raise AssertionError("a table-only job re-ran itself under the interpreter")
@@ -501,13 +501,21 @@ def test_table_only_jobs_run_without_the_interpreter_and_say_when_the_report_lag
     report = json.loads((out / "sm90" / "resources.json").read_text())
     per = report["variants"]
     # what the portable tables select at other warps: only the launches no table decides (the
-    # split top-p searches at their own warps, spills.config_warps)
+    # split top-p searches and the top-p combine of 3-4 splits at their own warps,
+    # spills.config_warps)
     warps = topp_split_replay_warps("sm90")
     want = {
         f"topp_replay_{d}@w{warps}[{c}]"
         for d in ("bf16", "fp16")
         for c in SPLIT_SEARCHES
         if warps != int(per[f"topp_replay_{d}"]["num_warps"])
+    }
+    combine = topp_combine_warps(4, "sm90")
+    assert combine is not None
+    want |= {
+        f"topp_combine_{d}@w{combine}[parts4]"
+        for d in ("bf16", "fp16")
+        if combine != int(per[f"topp_combine_{d}"]["num_warps"])
     }
     got = {
         launch_name(x, int(per[x.variant]["num_warps"])) for x in extra_launches(out, "sm90", per)
