@@ -286,15 +286,9 @@ def test_hip_report_counts_memory_spills_not_sgpr_lane_spills() -> None:
     assert _hip_resources(asm(0, 0, 64))["spill_bytes"] == 0  # a private array, no spill
 
 
-def test_topp_combine_launch_uses_the_reports_warps(monkeypatch) -> None:
-    """The runtime's ``topp_combine`` launch gives the merge of 3-4 splits (``PARTS`` 4) the
-    warps the AOT report compiles that set at on this platform (:func:`config_warps`: 4 on
-    sm90, where 8 spilled) and leaves the merges of 2 and of 5+ splits at the module's own; the
-    report holds the sm90 set at 4 warps, spill-free."""
-    import torch
-
+def _record_topp_launches(monkeypatch) -> list[dict[str, object]]:
+    """``shardmax.ops.topp``'s kernel launches recorded (name and keywords), not made."""
     import shardmax.ops.topp as topp
-    from generator.spills import config_warps
 
     seen: list[dict[str, object]] = []
 
@@ -305,6 +299,20 @@ def test_topp_combine_launch_uses_the_reports_warps(monkeypatch) -> None:
         return launch
 
     monkeypatch.setattr(topp, "kernel", fake_kernel)
+    return seen
+
+
+def test_topp_combine_launch_uses_the_reports_warps(monkeypatch) -> None:
+    """The runtime's ``topp_combine`` launch gives the merge of 3-4 splits (``PARTS`` 4) the
+    warps the AOT report compiles that set at on this platform (:func:`config_warps`: 4 on
+    sm90, where 8 spilled) and leaves the merges of 2 and of 5+ splits at the module's own; the
+    report holds the sm90 set at 4 warps, spill-free."""
+    import torch
+
+    import shardmax.ops.topp as topp
+    from generator.spills import config_warps
+
+    seen = _record_topp_launches(monkeypatch)
     arch = "gfx950" if torch.version.hip else "sm90"
     x = torch.zeros(2, 4096 * 16, dtype=torch.bfloat16)
     t = torch.ones(2)
@@ -335,15 +343,7 @@ def test_split_topp_search_launch_uses_the_reports_warps(monkeypatch) -> None:
     from generator.spills import config_warps
     from shardmax.reference.nucleus_replay import Pipeline
 
-    seen: list[dict[str, object]] = []
-
-    def fake_kernel(name: str):
-        def launch(grid, *args, **kwargs):
-            seen.append({"name": name, **kwargs})
-
-        return launch
-
-    monkeypatch.setattr(topp, "kernel", fake_kernel)
+    seen = _record_topp_launches(monkeypatch)
     records = torch.zeros(1, 2, topp.RECORD_WORDS, dtype=torch.int32)
     rest = [torch.zeros(2) for _ in range(5)]
     arch = "gfx950" if torch.version.hip else "sm90"

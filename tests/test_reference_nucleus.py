@@ -204,60 +204,25 @@ def test_tiny_p_whose_trim_vllm_rounds_is_flagged() -> None:
         assert d.reason == want, (p, d.reason)
         if not flagged:
             assert d.kept_ids == (17,)
-    _, unsafe = _merge_rows(row[None].expand(3, -1).clone(), torch.tensor([1e-8, 3.5e-7, 1e-5]))
+    *_, unsafe = _merge_rows(row[None].expand(3, -1).clone(), torch.tensor([1e-8, 3.5e-7, 1e-5]))
     assert unsafe.tolist() == [3, 3, 0]
 
 
-def _merge_rows(x: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_rows(
+    x: torch.Tensor,
+    top_p: torch.Tensor,
+    rows_in_step: int = 100,
+    top_k: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sampled_merge`` on rows ``x`` of one rank whose candidates are its exact top 64 keys:
-    (kept count, guard code) per row."""
+    (merged candidates, the rank's candidates, kept count, guard code) per row."""
     from shardmax.ops.sampled import merge_candidates
     from shardmax.runtime.keys import pack_keys
     from shardmax.runtime.validation import check_step_batch
 
     c = 64
     n, vocab = x.shape
-    keys = pack_keys(x, torch.arange(vocab).expand(n, vocab))
-    cand = torch.topk(keys, c, dim=1).values
-    m = x.max(dim=1).values
-    s = torch.exp(x - m[:, None]).sum(dim=1)
-    words = torch.zeros(n, 4, dtype=torch.int64)  # one part: key, (m, s), (xd, flag), min
-    words[:, 1] = _pack_pair(m, s)
-    words[:, 3] = _pack_pair(x.min(dim=1).values, torch.zeros(n))
-    gathered = torch.cat([words.view(-1), cand.view(-1)]).view(1, -1)
-    batch = check_step_batch(
-        n, x.device, torch.zeros(n, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32),
-        torch.zeros(n, dtype=torch.int64), torch.arange(n, dtype=torch.int32),
-        torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int64), 1,
-        temperature=torch.ones(n), top_p=top_p,
-    )  # fmt: skip
-    merged = torch.empty((n, c), dtype=torch.int64)
-    keep = torch.empty(n, dtype=torch.int32)
-    unsafe = torch.empty(n, dtype=torch.int8)
-    merge_candidates(
-        gathered, 1, n, 4, torch.arange(n), batch, (merged, keep, unsafe), vocab=vocab,
-        candidates=c, rows_in_step=100,
-    )  # fmt: skip
-    return keep, unsafe
-
-
-@pytest.mark.parametrize("rows_in_step", [8, 100])
-def test_sampled_merge_keeps_the_exact_nucleus(rows_in_step: int) -> None:
-    """The ``sampled_merge`` kernel (merge + kept count + guard of the sharded finish), one rank:
-    on every row it calls safe, the kept count is the exact nucleus size (after min-p and top-k).
-    ``rows_in_step`` switches the convergence rule between vLLM's split and monolithic pipeline."""
-    from shardmax.ops.sampled import merge_candidates
-    from shardmax.runtime.keys import pack_keys
-    from shardmax.runtime.validation import check_step_batch
-
-    c, vocab = 64, 3000
-    x = _zipf_rows(40, vocab, [0.8, 1.1, 1.5, 2.0, 3.0], seed=rows_in_step)
-    n = x.shape[0]
-    gen = torch.Generator().manual_seed(1)
-    top_p = torch.tensor([0.8, 0.9, 0.95, 0.99, 1.0])[torch.randint(0, 5, (n,), generator=gen)]
-    min_p = torch.tensor([0.0, 0.0, 0.02])[torch.randint(0, 3, (n,), generator=gen)]
-    top_k = torch.tensor([0, 0, 20])[torch.randint(0, 3, (n,), generator=gen)]
-    top_p[(top_p >= 1) & (min_p == 0)] = 0.9  # every row has a rule
     keys = pack_keys(x, torch.arange(vocab).expand(n, vocab))
     cand = torch.topk(keys, c, dim=1).values  # one part's candidates: its exact top-C keys
     m = x.max(dim=1).values
@@ -279,6 +244,23 @@ def test_sampled_merge_keeps_the_exact_nucleus(rows_in_step: int) -> None:
         gathered, 1, n, 4, torch.arange(n), batch, (merged, keep, unsafe), vocab=vocab,
         candidates=c, rows_in_step=rows_in_step,
     )  # fmt: skip
+    return merged, cand, keep, unsafe
+
+
+@pytest.mark.parametrize("rows_in_step", [8, 100])
+def test_sampled_merge_keeps_the_exact_nucleus(rows_in_step: int) -> None:
+    """The ``sampled_merge`` kernel (merge + kept count + guard of the sharded finish), one rank:
+    on every row it calls safe, the kept count is the exact nucleus size (after min-p and top-k).
+    ``rows_in_step`` switches the convergence rule between vLLM's split and monolithic pipeline."""
+    vocab = 3000
+    x = _zipf_rows(40, vocab, [0.8, 1.1, 1.5, 2.0, 3.0], seed=rows_in_step)
+    n = x.shape[0]
+    gen = torch.Generator().manual_seed(1)
+    top_p = torch.tensor([0.8, 0.9, 0.95, 0.99, 1.0])[torch.randint(0, 5, (n,), generator=gen)]
+    min_p = torch.tensor([0.0, 0.0, 0.02])[torch.randint(0, 3, (n,), generator=gen)]
+    top_k = torch.tensor([0, 0, 20])[torch.randint(0, 3, (n,), generator=gen)]
+    top_p[(top_p >= 1) & (min_p == 0)] = 0.9  # every row has a rule
+    merged, cand, keep, unsafe = _merge_rows(x, top_p, rows_in_step, top_k=top_k, min_p=min_p)
     assert torch.equal(merged, cand)  # one part: its whole list is the exact prefix
     want = exact_nucleus_keep(x, top_p, top_k, min_p).sum(dim=1)
     safe = unsafe == 0
