@@ -931,3 +931,59 @@ def test_graph_replay_rejects_other_values(monkeypatch):
     monkeypatch.setenv(step.ENV_GRAPHS, "sometimes")
     with pytest.raises(ValueError, match="SHARDMAX_VLLM_GRAPHS='sometimes'"):
         step.graph_replay(1, torch.device("cuda", 0))
+
+
+def test_gate_checks_slotted_fields_and_refuses_unreadable_ones():
+    """A field the table does not know is refused on an object without ``__dict__`` too (a
+    ``slots=True`` dataclass, a private slot stored mangled); an object with neither
+    ``__dict__`` nor ``__slots__`` cannot be checked, so it is refused, never passed."""
+    import dataclasses
+
+    from shardmax.integrations.vllm import gate
+
+    table = {"known": gate.Rule("a known switch", gate.is_off)}
+
+    @dataclasses.dataclass(slots=True)
+    class Slotted:
+        known: int = 0
+        future_switch: int = 0
+
+    assert gate.check_fields(Slotted(), "X", table, "0.33") is None
+    assert gate.check_fields(Slotted(future_switch=2), "X", table, "0.33") == (
+        "unknown X field future_switch=2 (not in shardmax's table for vLLM 0.33)"
+    )
+    assert gate.check_fields(Slotted(known=1), "X", table, "0.33") == ("a known switch (X.known=1)")
+
+    class Private:
+        __slots__ = ("__mode", "known")
+
+        def __init__(self, mode: int) -> None:
+            self.__mode, self.known = mode, 0
+
+    assert gate.check_fields(Private(0), "X", table, "0.33") is None
+    assert gate.check_fields(Private(3), "X", table, "0.33") == (
+        "unknown X field _Private__mode=3 (not in shardmax's table for vLLM 0.33)"
+    )
+    assert gate.check_fields(object(), "X", table, "0.33") == (
+        "X fields unreadable (object has neither __dict__ nor __slots__; shardmax's table for "
+        "vLLM 0.33 cannot be checked)"
+    )
+
+
+def test_gate_refuses_a_class_with_base_classes():
+    """Only a class's own methods are walked: a base class (whose methods could be patched or
+    new) is outside the table, so the class is refused."""
+    from shardmax.integrations.vllm import gate
+
+    class Base:
+        def _verify(self) -> None: ...
+
+    class Derived(Base):
+        pass
+
+    assert gate.check_methods(Derived, "RejectionSampler", ("_verify",), "0.33") == (
+        "RejectionSampler inherits from "
+        "test_gate_refuses_a_class_with_base_classes.<locals>.Base (not in shardmax's table "
+        "for vLLM 0.33: only its own methods are checked)"
+    )
+    assert gate.check_methods(Base, "RejectionSampler", ("_verify",), "0.33") is None

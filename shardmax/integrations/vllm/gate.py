@@ -329,10 +329,12 @@ def check_fields(obj: Any, cls_name: str, table: Mapping[str, Rule], series: str
     not know, with a value that is not :func:`is_off`: ``"unknown <cls> field <field>=<value>
     (not in shardmax's table for vLLM <series>)"``. Per step this costs a key-set comparison and
     the tables' checked rules (every field is looked at only when an unknown one is present)."""
-    try:
-        fields = vars(obj)
-    except TypeError:
-        return None
+    fields = _instance_fields(obj)
+    if fields is None:
+        return (
+            f"{cls_name} fields unreadable ({type(obj).__name__} has neither __dict__ nor "
+            f"__slots__; shardmax's table for vLLM {series} cannot be checked)"
+        )
     known, checked = _table_info(table)
     if not fields.keys() <= known:
         for name, value in fields.items():
@@ -350,10 +352,59 @@ def check_fields(obj: Any, cls_name: str, table: Mapping[str, Rule], series: str
     return None
 
 
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The attribute names of the ``__slots__`` declared along ``cls``'s MRO (private ones
+    mangled, as Python stores them), memoised per class."""
+    got = _SLOT_NAMES.get(cls)
+    if got is None:
+        names = []
+        for klass in cls.__mro__:
+            declared = vars(klass).get("__slots__", ())
+            for name in (declared,) if isinstance(declared, str) else declared:
+                if name in ("__dict__", "__weakref__"):
+                    continue
+                if name.startswith("__") and not name.endswith("__"):
+                    name = f"_{klass.__name__.lstrip('_')}{name}"
+                names.append(name)
+        got = _SLOT_NAMES[cls] = tuple(names)
+    return got
+
+
+_SLOT_NAMES: dict[type, tuple[str, ...]] = {}
+_UNSET = object()
+
+
+def _instance_fields(obj: Any) -> Mapping[str, Any] | None:
+    """``obj``'s instance fields: its ``__dict__``, and the set ``__slots__`` of its classes
+    (a ``slots=True`` dataclass has no ``__dict__``); ``None`` where it has neither (nothing
+    could be checked against the allow-list)."""
+    slots = _slot_names(type(obj))
+    try:
+        fields: Mapping[str, Any] = vars(obj)  # (no copy: the common case, every step)
+    except TypeError:
+        if not slots:
+            return None
+        fields = {}
+    if slots:
+        fields = dict(fields)
+        for name in slots:
+            value = getattr(obj, name, _UNSET)
+            if value is not _UNSET:  # (a slot declared, never set: nothing in effect)
+                fields[name] = value
+    return fields
+
+
 def check_methods(cls: type, cls_name: str, known: tuple[str, ...], series: str) -> str | None:
-    """The refusal reason of ``cls``'s own methods, or ``None``: a method not in ``known``, or one
-    whose ``__module__`` is not the class's (patched from outside vLLM). A class whose attributes
-    are the very objects of its last passing check is not walked again."""
+    """The refusal reason of ``cls``'s methods, or ``None``: a base class other than ``object``
+    (its methods would be outside the table), a method not in ``known``, or one whose
+    ``__module__`` is not the class's (patched from outside vLLM). A class whose attributes are
+    the very objects of its last passing check is not walked again."""
+    if cls.__mro__[1:] != (object,):
+        bases = ", ".join(b.__qualname__ for b in cls.__mro__[1:-1])
+        return (
+            f"{cls_name} inherits from {bases} (not in shardmax's table for vLLM {series}: "
+            "only its own methods are checked)"
+        )
     current = tuple(vars(cls).values())
     last = _METHODS_OK.get((cls, known))
     if (
