@@ -127,6 +127,9 @@ def test_plain_path_equals_sharded_path_on_a_gapped_geometry() -> None:
     [
         {"cu_num_logits": torch.tensor([-1000, 2, 4], dtype=torch.int32)},
         {"cu_num_logits": torch.tensor([0, 3, 1], dtype=torch.int32)},  # not monotone
+        # a first request without rows, whose one clamped row is the next request's: its
+        # record has no key in the two-phase step (found: 4294967295, the empty key's id)
+        {"cu_num_logits": torch.tensor([0, 0, 4], dtype=torch.int32)},
         {"cu_num_logits": torch.tensor([0, 1_000_000, 4], dtype=torch.int32)},
         {"idx_mapping": torch.tensor([1_000_000, 1], dtype=torch.int32)},
         {"idx_mapping": torch.tensor([-5, 1], dtype=torch.int32)},
@@ -134,7 +137,8 @@ def test_plain_path_equals_sharded_path_on_a_gapped_geometry() -> None:
     ],
 )
 @pytest.mark.parametrize("mode", ["fast", "strict"])
-def test_sampled_kernels_never_read_out_of_bounds_with_checks_off(bad, mode) -> None:
+@pytest.mark.parametrize("nucleus", [True, False], ids=["candidates", "two_phase"])
+def test_sampled_kernels_never_read_out_of_bounds_with_checks_off(bad, mode, nucleus) -> None:
     """Value checks off (the plug-in's mode): a malformed batch gives unspecified outputs,
     but every id stays a real id or -1 (found: ids such as 4294967293 and planted values read
     from before the inputs), and with the checks on it is a clear ValueError."""
@@ -147,7 +151,10 @@ def test_sampled_kernels_never_read_out_of_bounds_with_checks_off(bad, mode) -> 
     )
     n = b.max_num_reqs
     temp = torch.ones(n)
+    temp[b.idx_mapping[0]] = 0.0  # a greedy request first, then a sampled one
     kw = {"top_k": torch.full((n,), 10, dtype=torch.int32), "top_p": torch.full((n,), 0.9)}
+    if not nucleus:
+        kw = {}  # temperature only: two-phase (the token drawn after the finish)
     args = dict(zip(("draft_sampled", "cu_num_logits", "pos", "idx_mapping",
                      "expanded_local_pos", "seed"), b.args()[:6], strict=True))  # fmt: skip
     args.update(bad)
