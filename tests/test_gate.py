@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardmax.gate import ShardDecision, can_shard_verify
 
@@ -208,3 +210,57 @@ def test_nan_temperature_stays_a_refusal_reason():
     assert can_shard_verify(temperatures=[float("nan")], allow_temperature=True).reason == (
         "temperature[0]=nan is not a finite value >= 0"
     )
+
+
+_ODD = [-0.0, 0.5, 0.95, 1e-45, 2.0, -1.0, float("inf"), float("-inf"), float("nan")]
+
+
+def _mostly(value, odd):
+    """``value`` most of the time (a rule that passes), else one of ``odd``: the vectorised pass
+    then decides often, on steps one value away from failing."""
+    return st.one_of(st.just(value), st.just(value), st.just(value), st.sampled_from(odd))
+
+
+_KS = [-1, 0, 1, 5, 63, 64, 100, 999, 1000, 1001]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    data=st.data(),
+    n=st.integers(0, 5),
+    allow=st.sampled_from(
+        [(False, False, False), (True, False, False), (True, True, False), (True, False, True)]
+    ),
+    dtype=st.sampled_from(["float32", "float64"]),
+    vocab=st.sampled_from([None, 1000]),
+)
+def test_numpy_arrays_decide_as_lists(data, n, allow, dtype, vocab):
+    """The vectorised pass over NumPy arrays (the plug-in's values) gives the decision -- or the
+    error -- of the per-request loops over the same values as Python lists, reasons included."""
+    import numpy as np
+
+    temp = _mostly(0.0, [1.0, *_ODD]) if data.draw(st.booleans()) else _mostly(1.0, [0.0, *_ODD])
+
+    def draw(values, dt):
+        return np.array(data.draw(st.lists(values, min_size=n, max_size=n)), dtype=dt)
+
+    temps = draw(temp, dtype)
+    top_k = draw(_mostly(0, _KS), np.int32)
+    top_p = draw(_mostly(1.0, [0.0, *_ODD]), dtype)
+    min_p = draw(_mostly(0.0, [1.0, *_ODD]), dtype)
+    allow_temperature, allow_top_k, allow_nucleus = allow
+    kw = dict(
+        vocab_size=vocab, allow_temperature=allow_temperature, allow_top_k=allow_top_k,
+        allow_nucleus=allow_nucleus,
+    )  # fmt: skip
+
+    def decide(values):
+        try:
+            return can_shard_verify(
+                temperatures=values[0], top_k=values[1], top_p=values[2], min_p=values[3], **kw
+            )
+        except ValueError as e:
+            return ("raised", str(e))
+
+    arrays = (temps, top_k, top_p, min_p)
+    assert decide(arrays) == decide([a.tolist() for a in arrays])

@@ -261,12 +261,14 @@ def maybe_verify_sharded(
     if getattr(input_batch, "num_draft_tokens", 0) == 0 or runner.rejection_sampler is None:
         counters.bump("plain_sample")
         return native(runner, hidden_states, input_batch, grammar_output)
-    decision = gate.step_decision(runner, input_batch, grammar_output)
-    if decision.ok:
-        out = step.verify_greedy(runner, hidden_states, input_batch)
-        counters.bump("sharded_verify")
-        return out
-    if getattr(input_batch, "num_reqs", 0) > 0 and not _all_greedy(runner, input_batch):
+    step_gate = gate.StepGate(runner, input_batch, grammar_output)  # walked once per step
+    if getattr(input_batch, "num_reqs", 0) == 0 or _all_greedy(runner, input_batch):
+        decision = step_gate.decide()  # (a step with a sampled request is never greedy's)
+        if decision.ok:
+            out = step.verify_greedy(runner, hidden_states, input_batch)
+            counters.bump("sharded_verify")
+            return out
+    else:
         group = step.tp_group()
         tp = 1 if group is None else int(group.world_size)
         if not step.sampled_routing(tp) and not (
@@ -281,9 +283,7 @@ def maybe_verify_sharded(
             counters.fallback("native_verify", reason)
             return native(runner, hidden_states, input_batch, grammar_output)
         nucleus = step.nucleus_routing(runner, input_batch) and step.resolver() is not None
-        decision = gate.step_decision(
-            runner, input_batch, grammar_output, allow_temperature=True, allow_nucleus=nucleus
-        )
+        decision = step_gate.decide(allow_temperature=True, allow_nucleus=nucleus)
         if decision.ok:
             res = step.verify_sampled(runner, hidden_states, input_batch)
             if res.output is None:
