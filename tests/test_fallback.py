@@ -194,6 +194,39 @@ def test_device_fallback_emulated(chain: NativeChain) -> None:
 
 @pytest.mark.e2e
 @by_version
+def test_device_fallback_padded_step_tensors(chain: NativeChain) -> None:
+    """vLLM pads ``seq_lens`` past the requests under full CUDA graphs (``input_buffers.
+    seq_lens[:num_reqs_padded]``; the chain reads ``[num_reqs]`` of it): the fold copies the
+    entries the chain reads, never the padding into a bucket buffer of ``reqs`` entries (found
+    by a review helper: 96 bytes copied into a 32-byte buffer, the heap past it overwritten);
+    a step tensor shorter than the chain reads is not copied at all (the caller's path)."""
+    from shardmax.integrations.vllm.fallback import _BODY, _COPIED
+
+    b, kw = _step(3, 5, 512, "cpu")
+    want = chain.verify(b.logits, **kw)
+    padded = torch.full((24,), 0x41414141, dtype=kw["seq_lens"].dtype)
+    padded[:5] = kw["seq_lens"]
+    rows = b.logits.shape[0]
+    eim = torch.full((rows + 8,), 3, dtype=kw["expanded_idx_mapping"].dtype)
+    eim[:rows] = kw["expanded_idx_mapping"]
+    kwp = {**kw, "seq_lens": padded, "expanded_idx_mapping": eim[: rows + 8], "checks": False}
+    fb = DeviceFallback(chain, emulate=True)
+    assert not fb.run(_result(want, [1], [1]), b.logits, **kwp)  # the signature's first step
+    assert fb.run(_result(want, [], []), b.logits, **kwp)  # captured
+    bucket = next(iter(fb._buckets.values()))
+    for name, n in (("seq_lens", 5), ("expanded_idx_mapping", rows)):
+        i = _COPIED.index(name)
+        copied = bucket.slots[0].host[_BODY + 3 * i + 2]
+        assert copied == n * padded.element_size() <= bucket.static[name].nbytes, (name, copied)
+    res = _result(want, [0, 2, 4], [0, 2, 4])
+    assert fb.run(res, b.logits, **kwp)
+    _same(res, want, "padded seq_lens and expanded_idx_mapping")
+    short = {**kw, "seq_lens": kw["seq_lens"][:4], "checks": False}
+    assert fb.fold(b.logits, **short) is None
+
+
+@pytest.mark.e2e
+@by_version
 def test_device_fallback_buckets(chain: NativeChain) -> None:
     """Steps of 5 to 8 requests (K = 3, 1 to 4 rows each) share one bucket (8 requests, 32
     rows): one capture, padding requests and rows past the last request's in the static buffers,

@@ -335,8 +335,11 @@ class _StepTensors:
     def of(cls, logits: torch.Tensor, step: dict[str, Any]) -> _StepTensors | None:
         """The step's tensors (``step``: :meth:`NativeChain.verify`'s arguments), or None where
         the body cannot copy them as bytes: logits not 2-D, with a last stride other than 1 or
-        overlapping rows; another tensor not contiguous. (Host time every folded step: two
-        loops without a branch on the name.)
+        overlapping rows; another tensor not contiguous, or a step tensor not 1-D or shorter
+        than what the chain reads of it. A step tensor's entry copies exactly what the chain
+        reads -- ``[num_logits]`` rows, ``[num_reqs]`` requests, ``[num_reqs + 1]``
+        ``cu_num_logits`` -- whatever vLLM padded it to (its ``seq_lens`` under full CUDA
+        graphs). (Host time every folded step: two loops without a branch on the name.)
 
         Raises:
             KeyError: a tensor argument the chain requires is missing from ``step``."""
@@ -348,13 +351,18 @@ class _StepTensors:
             return None
         span = ((num_logits - 1) * row + vocab) * logits.element_size() if num_logits else 0
         ptrs, sizes, dtypes = [logits.data_ptr()], [span], []
+        num_reqs = step["idx_mapping"].shape[0]
+        # the entries the chain reads -- no more: vLLM pads ``seq_lens`` (and may pad other
+        # tensors) past them under full CUDA graphs, and the bucket's buffers hold these alone
+        count = {"cu_num_logits": num_reqs + 1, "idx_mapping": num_reqs, "seq_lens": num_reqs}
         for name in _STEP_COPIED:
             t = step[name]
-            if not t.is_contiguous():
-                return None
+            n = count.get(name, num_logits)
+            if t.dim() != 1 or t.shape[0] < n or not t.is_contiguous():
+                return None  # (a shorter one would be read past its end)
             dtypes.append(t.dtype)
             ptrs.append(t.data_ptr())
-            sizes.append(t.nbytes)
+            sizes.append(n * t.element_size())
         slot_state = []
         for name in _PERSISTENT:
             t = step.get(name)
