@@ -173,11 +173,15 @@ def can_shard_verify(
             raise TypeError(f"candidates: expected an int, got {type(candidates).__name__}")
         if candidates not in CANDIDATE_CHOICES:
             raise ValueError(f"candidates: expected one of {CANDIDATE_CHOICES}, got {candidates}")
-    # the common step (every rule passes) decided by the built-ins' C loops; any other goes
-    # through the per-request loops, which name the first failing request
+    # the common step (every rule passes) of NumPy values (the plug-in's) decided by the
+    # built-ins' C loops on their Python floats / ints; any other input, and any step where a
+    # rule fails, goes through the per-request loops, which name the first failing request
+    plain = _plain_values(temperatures, top_k, top_p, min_p)
     temps = temperatures.tolist() if isinstance(temperatures, np.ndarray) else temperatures
     top_k, top_p, min_p = _as_list(top_k), _as_list(top_p), _as_list(min_p)
-    if not _all_pass(temps, top_k, top_p, min_p, vocab_size, allow_temperature, allow_nucleus):
+    if not plain or not _all_pass(
+        temps, top_k, top_p, min_p, vocab_size, allow_temperature, allow_nucleus
+    ):
         per_request = _per_request_rules(
             temps, top_k, top_p, min_p, vocab_size, allow_temperature, allow_top_k,
             allow_nucleus, candidates,
@@ -208,6 +212,27 @@ def _as_list(values: Sequence[Any] | None) -> Sequence[Any] | None:
     return values.tolist() if isinstance(values, np.ndarray) else values
 
 
+def _plain_values(temperatures: Any, top_k: Any, top_p: Any, min_p: Any) -> bool:
+    """Whether the values are 1-D NumPy arrays whose ``tolist`` gives plain Python numbers --
+    floats of fp16 / fp32 / fp64 (temperatures, top-p, min-p), ints (top-k) -- the only input
+    :func:`_all_pass` decides (a NumPy scalar, a ``longdouble``, ``None``, a huge int or a
+    generator inside a sequence would compare or iterate otherwise there)."""
+
+    def plain(a: Any, kinds: str) -> bool:
+        return (
+            isinstance(a, np.ndarray)
+            and a.ndim == 1
+            and a.dtype.kind in kinds
+            and (a.dtype.kind != "f" or a.dtype.itemsize <= 8)
+        )
+
+    return (
+        plain(temperatures, "f")
+        and (top_k is None or plain(top_k, "iu"))
+        and all(v is None or plain(v, "f") for v in (top_p, min_p))
+    )
+
+
 def _all_pass(
     temperatures: Sequence[Any],
     top_k: Sequence[Any] | None,
@@ -217,8 +242,8 @@ def _all_pass(
     allow_temperature: bool,
     allow_nucleus: bool,
 ) -> bool:
-    """Whether every per-request rule of :func:`can_shard_verify` passes, decided with the
-    built-ins' C loops (``any`` / ``min`` / ``max`` / ``count`` over the values: ~0.05 us a
+    """Whether every per-request rule of :func:`can_shard_verify` passes for plain Python numbers
+    (:func:`_plain_values`' ``tolist``), decided with the built-ins' C loops (``any`` / ``min`` / ``max`` / ``count`` over the values: ~0.05 us a
     request, where the rules' own loop takes ~0.5 and NumPy's operations ~1 us each on a step's
     few values): True only where :func:`_per_request_rules` would neither return a reason nor
     raise. False -- also for values these built-ins cannot order -- sends the step through those

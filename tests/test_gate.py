@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -264,3 +265,50 @@ def test_numpy_arrays_decide_as_lists(data, n, allow, dtype, vocab):
 
     arrays = (temps, top_k, top_p, min_p)
     assert decide(arrays) == decide([a.tolist() for a in arrays])
+
+
+@pytest.mark.parametrize(
+    ("make", "allow"),
+    [
+        (
+            lambda: {"temperatures": [np.float32(0.0), -1e-50]},
+            True,
+        ),  # min() in fp32 would tie with 0
+        (lambda: {"temperatures": [np.float16(0.0), -1e-10]}, True),
+        (lambda: {"temperatures": np.array([np.longdouble("1e400")])}, True),  # inf, kept by tolist
+        (lambda: {"temperatures": [10**400]}, True),  # the loop's isfinite raises OverflowError
+        (lambda: {"temperatures": [0.0], "min_p": [None]}, False),
+        (lambda: {"temperatures": [None]}, True),
+        (lambda: {"temperatures": (t for t in (0.7, 0.0))}, False),  # a generator, iterated once
+        (lambda: {"temperatures": np.array([0.0, -1e-50])}, True),
+        (lambda: {"temperatures": np.array([0.0, 0.5]), "top_p": np.array([1.0, np.nan])}, True),
+    ],
+)
+def test_odd_values_decide_as_the_loops(make, allow):
+    """Values the built-ins cannot decide exactly (NumPy scalars in a list, long doubles, None,
+    huge ints, generators) go through the per-request loops: the decision or error is theirs
+    (found by a review helper: ``ok`` for a temperature of -1e-50 beside ``np.float32(0.0)``)."""
+    from shardmax import gate
+
+    kw = {"vocab_size": 1000, "allow_temperature": allow}
+
+    def loops():
+        got = make()
+        if not isinstance(got["temperatures"], (list, tuple, np.ndarray)):
+            got["temperatures"] = list(got["temperatures"])
+        lists = {k: gate._as_list(v) for k, v in got.items()}
+        try:
+            reason = gate._per_request_rules(
+                lists["temperatures"], lists.get("top_k"), lists.get("top_p"),
+                lists.get("min_p"), 1000, allow, False, False, None,
+            )  # fmt: skip
+        except (ValueError, TypeError, OverflowError) as e:
+            return ("raised", type(e).__name__)
+        return reason if reason is not None else ShardDecision(True, None)
+
+    want = loops()
+    try:
+        got = can_shard_verify(**make(), **kw)
+    except (ValueError, TypeError, OverflowError) as e:
+        got = ("raised", type(e).__name__)
+    assert got == want
