@@ -19,6 +19,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardmax import reference
 from shardmax.integrations import vllm as smv
@@ -987,3 +989,40 @@ def test_gate_refuses_a_class_with_base_classes():
         "for vLLM 0.33: only its own methods are checked)"
     )
     assert gate.check_methods(Base, "RejectionSampler", ("_verify",), "0.33") is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    n=st.integers(0, 6),
+)
+def test_step_requests_answer_as_the_numpy_expressions(data, n):
+    """``StepRequests`` (``list.count`` on the values, read once per step) gives what the NumPy
+    expressions it replaces give, on NaN, -0.0, inf and disabled values, through an
+    ``idx_mapping`` that skips slots."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    odd = [0.0, -0.0, 1.0, 0.5, float("nan"), float("inf"), 1e-45]
+    slots = 8
+    floats = st.lists(st.sampled_from(odd), min_size=slots, max_size=slots)
+    ks = st.lists(st.sampled_from([0, 1, 5, _V - 1, _V, _V + 1]), min_size=slots, max_size=slots)
+    t = np.array(data.draw(floats), dtype=np.float32)
+    k = np.array(data.draw(ks), dtype=np.int32)
+    p = np.array(data.draw(floats), dtype=np.float32)
+    m = np.array(data.draw(floats), dtype=np.float32)
+    idx = np.array(data.draw(st.lists(st.integers(0, slots - 1), min_size=n, max_size=n)), np.int32)
+    from shardmax.integrations.vllm import step
+
+    ns = SimpleNamespace
+    states = ns(temperature=ns(np=t), top_k=ns(np=k), top_p=ns(np=p), min_p=ns(np=m), vocab_size=_V)
+    runner = ns(rejection_sampler=ns(sampler=ns(sampling_states=states)))
+    got = step.StepRequests(runner, ns(idx_mapping_np=idx))
+    assert got.all_greedy == bool(np.all(t[idx] == 0.0))
+    assert got.has_nucleus == bool(
+        np.any(k[idx] != _V) or np.any(p[idx] != 1.0) or np.any(m[idx] != 0.0)
+    )
+    assert got.topp_only == bool(
+        np.any(p[idx] != 1.0) and np.all(k[idx] == _V) and np.all(m[idx] == 0.0)
+    )

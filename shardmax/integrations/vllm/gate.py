@@ -511,8 +511,9 @@ class StepGate:
     sampled). The hook asks twice for a sampled step -- greedy first, then sampled -- and the
     step's classes, fields and model are walked once for both.
 
-    Args: as :func:`step_decision`'s first four. Reads the objects when made: a change to them
-    afterwards is not seen (make one per step)."""
+    Args: as :func:`step_decision`'s first four; ``requests``: the step's
+    :class:`~shardmax.integrations.vllm.step.StepRequests` where the caller has read them. Reads
+    the objects when made: a change to them afterwards is not seen (make one per step)."""
 
     __slots__ = ("_flags", "_input_batch", "_refusal", "_sampler", "_values")
 
@@ -522,14 +523,21 @@ class StepGate:
         input_batch: Any,
         grammar_output: Any,
         classes: VllmClasses | None = None,
+        *,
+        requests: Any = None,
     ) -> None:
         self._input_batch, self._sampler = input_batch, None
         self._values: dict[str, Any] = {}
         self._flags: dict[str, Any] = {}
-        self._refusal = self._structure(runner, input_batch, grammar_output, classes)
+        self._refusal = self._structure(runner, input_batch, grammar_output, classes, requests)
 
     def _structure(
-        self, runner: Any, input_batch: Any, grammar_output: Any, classes: VllmClasses | None
+        self,
+        runner: Any,
+        input_batch: Any,
+        grammar_output: Any,
+        classes: VllmClasses | None,
+        requests: Any,
     ) -> str | None:
         """Rules 1-5 (the first failing one's reason), then the step's per-request values."""
         if getattr(input_batch, "num_reqs", 0) == 0:
@@ -583,16 +591,13 @@ class StepGate:
         _, _, refusal = step.shard_geometry(lm_head)
         if refusal is not None:
             return str(refusal)
-        # the requests' values (``take``: the rows of ``idx_mapping_np``, as a NumPy array each)
+        # the requests' values (the rows of ``idx_mapping_np``, a NumPy array each), as the
+        # hook read them for its routing or read here
         idx = input_batch.idx_mapping_np
         self._sampler = sampler
-        self._values = {
-            "temperatures": st.temperature.np.take(idx),
-            "top_k": st.top_k.np.take(idx),
-            "top_p": st.top_p.np.take(idx),
-            "min_p": st.min_p.np.take(idx),
-            "vocab_size": int(st.vocab_size),
-        }
+        if requests is None:
+            requests = step.StepRequests(runner, input_batch)
+        self._values = requests.arrays
         speculator = getattr(runner, "speculator", None)
         self._flags = {
             "returns_logprobs": st.max_num_logprobs(idx) != -1,
@@ -684,34 +689,6 @@ def _other_logits_processing(sampler: Any, idx: Any, values: Mapping[str, Any]) 
                 return True
         tb = sampler.thinking_budget_state
         if getattr(tb, "enabled", False) and _any_at(tb.use_thinking_budget, idx):
-            return True
-    except Exception:
-        return True
-    return False
-    st = sampler.sampling_states
-    temp = np.asarray(st.temperature.np[idx])
-    sampling_term = (temp != 0.0) & (
-        (temp != 1.0)
-        | (np.asarray(st.min_p.np[idx]) != 0.0)
-        | (np.asarray(st.top_k.np[idx]) != int(st.vocab_size))
-        | (np.asarray(st.top_p.np[idx]) != 1.0)
-    )
-    if bool((needs & ~sampling_term).any()):
-        return True  # flagged by something other than the sampling states
-    try:
-        procs = list(sampler.logits_processors)
-        if sorted(type(p).__name__ for p in procs) != sorted(_KNOWN_LOGITS_PROCESSORS):
-            return True  # custom logits processors: cannot tell per request
-        for p in procs:
-            name = type(p).__name__
-            if name == "LogitBiasState" and bool(np.any(p.use_logit_bias[idx])):
-                return True
-            if name == "PenaltiesState" and bool(np.any(p.use_penalty[idx])):
-                return True
-            if name == "BadWordsState" and _any_at(p.num_bad_words.np > 0, idx):
-                return True
-        tb = sampler.thinking_budget_state
-        if getattr(tb, "enabled", False) and bool(np.any(tb.use_thinking_budget[idx])):
             return True
     except Exception:
         return True

@@ -208,13 +208,6 @@ def rejection_sample_sharded(
     return sampled, num_sampled
 
 
-def _all_greedy(runner: Any, input_batch: Any) -> bool:
-    import numpy as np
-
-    st = runner.rejection_sampler.sampler.sampling_states
-    return bool(np.all(st.temperature.np[input_batch.idx_mapping_np] == 0.0))
-
-
 def maybe_verify_sharded(
     runner: Any,
     hidden_states: torch.Tensor,
@@ -261,8 +254,10 @@ def maybe_verify_sharded(
     if getattr(input_batch, "num_draft_tokens", 0) == 0 or runner.rejection_sampler is None:
         counters.bump("plain_sample")
         return native(runner, hidden_states, input_batch, grammar_output)
-    step_gate = gate.StepGate(runner, input_batch, grammar_output)  # walked once per step
-    if getattr(input_batch, "num_reqs", 0) == 0 or _all_greedy(runner, input_batch):
+    # the requests' sampling values, read once for the routing's every question
+    requests = step.StepRequests(runner, input_batch)
+    step_gate = gate.StepGate(runner, input_batch, grammar_output, requests=requests)
+    if getattr(input_batch, "num_reqs", 0) == 0 or requests.all_greedy:
         decision = step_gate.decide()  # (a step with a sampled request is never greedy's)
         if decision.ok:
             out = step.verify_greedy(runner, hidden_states, input_batch)
@@ -272,7 +267,7 @@ def maybe_verify_sharded(
         group = step.tp_group()
         tp = 1 if group is None else int(group.world_size)
         if not step.sampled_routing(tp) and not (
-            tp == 1 and step.topp_fold_routing(runner, input_batch, hidden_states.device)
+            tp == 1 and step.topp_fold_routing(runner, input_batch, hidden_states.device, requests)
         ):
             reason = (
                 f"sampled step at TP {tp} without top-p on the device fallback: nothing to "
@@ -282,10 +277,12 @@ def maybe_verify_sharded(
             )
             counters.fallback("native_verify", reason)
             return native(runner, hidden_states, input_batch, grammar_output)
-        nucleus = step.nucleus_routing(runner, input_batch) and step.resolver() is not None
+        nucleus = (
+            step.nucleus_routing(runner, input_batch, requests) and step.resolver() is not None
+        )
         decision = step_gate.decide(allow_temperature=True, allow_nucleus=nucleus)
         if decision.ok:
-            res = step.verify_sampled(runner, hidden_states, input_batch)
+            res = step.verify_sampled(runner, hidden_states, input_batch, requests)
             if res.output is None:
                 counters.fallback(
                     "sampled_fallback_reruns",

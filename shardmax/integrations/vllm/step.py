@@ -40,6 +40,7 @@ __all__ = [
     "SAMPLED_MODES",
     "TOPP_PATHS",
     "SampledResult",
+    "StepRequests",
     "apply_head",
     "chain_inputs",
     "device_fallback",
@@ -199,17 +200,60 @@ def step_batch(
     )  # fmt: skip
 
 
-def has_nucleus(runner: Any, input_batch: Any) -> bool:
-    """Whether a request of the step has top-k, top-p or min-p active (host arrays only)."""
-    import numpy as np
+class StepRequests:
+    """The step's per-request sampling values, read from vLLM's per-slot host arrays
+    (``SamplingStates.temperature / top_k / top_p / min_p .np`` through ``idx_mapping_np``) once
+    per step, and what the hook's routing asks of them. Every answer is the one the NumPy
+    expressions it replaces give (``all_greedy``: ``np.all(temperature == 0)``; ``has_nucleus``:
+    ``np.any(top_k != V) or np.any(top_p != 1) or np.any(min_p != 0)``; ``topp_only``:
+    ``np.any(top_p != 1) and np.all(top_k == V) and np.all(min_p == 0)``), computed with
+    ``list.count`` on the values (a NaN equals nothing, -0.0 equals 0.0, as in NumPy): the
+    routing asks them up to six times a step, at ~11 us of host time each in NumPy.
 
-    st = runner.rejection_sampler.sampler.sampling_states
-    idx = input_batch.idx_mapping_np
-    return bool(
-        np.any(np.asarray(st.top_k.np[idx]) != int(st.vocab_size))
-        or np.any(np.asarray(st.top_p.np[idx]) != 1.0)
-        or np.any(np.asarray(st.min_p.np[idx]) != 0.0)
-    )
+    ``arrays``: ``temperatures``, ``top_k``, ``top_p``, ``min_p`` as NumPy arrays (one entry per
+    request) and ``vocab_size``, as :class:`~shardmax.integrations.vllm.gate.StepGate` reads
+    them."""
+
+    __slots__ = ("_all_greedy", "_arrays", "_idx", "_st", "has_nucleus", "topp_only")
+
+    def __init__(self, runner: Any, input_batch: Any) -> None:
+        st = self._st = runner.rejection_sampler.sampler.sampling_states
+        idx = self._idx = input_batch.idx_mapping_np
+        vocab = int(st.vocab_size)
+        self._arrays: dict[str, Any] = {
+            "top_k": st.top_k.np.take(idx),
+            "top_p": st.top_p.np.take(idx),
+            "min_p": st.min_p.np.take(idx),
+            "vocab_size": vocab,
+        }
+        k, p, m = (self._arrays[n].tolist() for n in ("top_k", "top_p", "min_p"))
+        n = len(k)
+        no_k, no_p, no_m = k.count(vocab) == n, p.count(1.0) == n, m.count(0.0) == n
+        self.has_nucleus: bool = not (no_k and no_p and no_m)
+        self.topp_only: bool = not no_p and no_k and no_m
+        self._all_greedy: bool | None = None
+
+    @property
+    def arrays(self) -> dict[str, Any]:
+        """The values as :func:`shardmax.can_shard_verify` takes them (temperatures read on the
+        first ask)."""
+        if "temperatures" not in self._arrays:
+            self._arrays["temperatures"] = self._st.temperature.np.take(self._idx)
+        return self._arrays
+
+    @property
+    def all_greedy(self) -> bool:
+        """Whether every request has temperature 0."""
+        if self._all_greedy is None:
+            t = self.arrays["temperatures"].tolist()
+            self._all_greedy = t.count(0.0) == len(t)
+        return self._all_greedy
+
+
+def has_nucleus(runner: Any, input_batch: Any, requests: StepRequests | None = None) -> bool:
+    """Whether a request of the step has top-k, top-p or min-p active (host arrays only;
+    ``requests``: the step's values, read once)."""
+    return (requests or StepRequests(runner, input_batch)).has_nucleus
 
 
 def find_lm_head(model: Any) -> Any:
@@ -411,7 +455,9 @@ def _routing_env(name: str, default: str, accepted: tuple[str, ...]) -> str:
     return raw
 
 
-def nucleus_routing(runner: Any = None, input_batch: Any = None) -> bool:
+def nucleus_routing(
+    runner: Any = None, input_batch: Any = None, requests: StepRequests | None = None
+) -> bool:
     """Whether a step with top-k / top-p / min-p requests takes the sharded path:
     ``$SHARDMAX_VLLM_NUCLEUS`` = ``auto`` (default: the steps whose only truncation is top-p,
     :func:`topp_only`, of a bf16 / fp16 model -- ``runner.dtype`` or ``runner.model_config.dtype``
@@ -442,7 +488,7 @@ def nucleus_routing(runner: Any = None, input_batch: Any = None) -> bool:
     dtype = getattr(runner, "dtype", None)
     if not isinstance(dtype, torch.dtype):
         dtype = getattr(getattr(runner, "model_config", None), "dtype", None)
-    return dtype in (torch.bfloat16, torch.float16) and topp_only(runner, input_batch)
+    return dtype in (torch.bfloat16, torch.float16) and topp_only(runner, input_batch, requests)
 
 
 ENV_TOPP = "SHARDMAX_VLLM_TOPP"
@@ -467,18 +513,10 @@ def topp_path() -> str:
     return raw
 
 
-def topp_only(runner: Any, input_batch: Any) -> bool:
+def topp_only(runner: Any, input_batch: Any, requests: StepRequests | None = None) -> bool:
     """Whether the step's only truncation is top-p: some request has ``top_p < 1``, none has
-    top-k or min-p active (host arrays only)."""
-    import numpy as np
-
-    st = runner.rejection_sampler.sampler.sampling_states
-    idx = input_batch.idx_mapping_np
-    return bool(
-        np.any(np.asarray(st.top_p.np[idx]) != 1.0)
-        and np.all(np.asarray(st.top_k.np[idx]) == int(st.vocab_size))
-        and np.all(np.asarray(st.min_p.np[idx]) == 0.0)
-    )
+    top-k or min-p active (host arrays only; ``requests``: the step's values, read once)."""
+    return (requests or StepRequests(runner, input_batch)).topp_only
 
 
 def topp_pipeline(rows: int, device: torch.device) -> Any:
@@ -525,7 +563,9 @@ def sampled_routing(tp: int) -> bool:
     return raw == "1" or (raw == "auto" and tp > 1)
 
 
-def topp_fold_routing(runner: Any, input_batch: Any, device: torch.device) -> bool:
+def topp_fold_routing(
+    runner: Any, input_batch: Any, device: torch.device, requests: StepRequests | None = None
+) -> bool:
     """Whether ``auto`` sampled routing (:func:`sampled_routing`) takes a TP-1 step anyway: a
     step whose only truncation is top-p (:func:`topp_only`) of a bf16 / fp16 model, routed to
     the level-histogram path (:func:`nucleus_routing`, :func:`topp_path`), whose flags the
@@ -560,12 +600,12 @@ def topp_fold_routing(runner: Any, input_batch: Any, device: torch.device) -> bo
         return False
     if getattr(runner.rejection_sampler, "synthetic_conditional_rates", None) is not None:
         return False  # the fold refuses synthetic steps (DeviceFallback.fold): a host read
-    if topp_path() != "histogram" or not nucleus_routing(runner, input_batch):
+    if topp_path() != "histogram" or not nucleus_routing(runner, input_batch, requests):
         return False
     dtype = getattr(runner, "dtype", None)
     if not isinstance(dtype, torch.dtype):
         dtype = getattr(getattr(runner, "model_config", None), "dtype", None)
-    if dtype not in (torch.bfloat16, torch.float16) or not topp_only(runner, input_batch):
+    if dtype not in (torch.bfloat16, torch.float16) or not topp_only(runner, input_batch, requests):
         return False
     from shardmax.ops.sampled import max_chunk_rows
 
@@ -749,9 +789,15 @@ def chain_inputs(
     }
 
 
-def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -> SampledResult:
+def verify_sampled(
+    runner: Any,
+    hidden_states: torch.Tensor,
+    input_batch: Any,
+    requests: StepRequests | None = None,
+) -> SampledResult:
     """A step with sampled requests (temperature, and with a resolver top-k / top-p / min-p)
-    through the shard's sampled plan, flagged requests resolved per request.
+    through the shard's sampled plan, flagged requests resolved per request (``requests``: the
+    step's sampling values, :class:`StepRequests`, read once by the hook).
 
     Arguments as vLLM's ``RejectionSampler._verify`` gives ``rejection_sample`` (0.32 and 0.33):
     ``sampling_states.temperature.gpu`` / ``.seeds.gpu`` (and ``.top_k`` / ``.top_p`` /
@@ -780,8 +826,11 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
     mode = sampled_mode()
     if mode == "strict" and rows > max_chunk_rows(int(st.vocab_size)):
         mode = "fast"  # vLLM gates each chunk of its own; one call here covers the whole step
-    processed = bool(np.any(sampler.needs_logits_processing[input_batch.idx_mapping_np]))
-    nucleus = has_nucleus(runner, input_batch)
+    needs = sampler.needs_logits_processing
+    idx = input_batch.idx_mapping_np
+    processed = bool(needs.take(idx).any() if isinstance(needs, np.ndarray) else np.any(needs[idx]))
+    requests = requests or StepRequests(runner, input_batch)
+    nucleus = requests.has_nucleus
     shard = vocab_shard(find_lm_head(runner.model), local_logits)
     topp = None
     if (
@@ -789,7 +838,7 @@ def verify_sampled(runner: Any, hidden_states: torch.Tensor, input_batch: Any) -
         and topp_path() == "histogram"
         and local_logits.dtype in (torch.bfloat16, torch.float16)
         and rows <= max_chunk_rows(int(st.vocab_size))  # one vLLM chunk: one pipeline
-        and topp_only(runner, input_batch)
+        and requests.topp_only
     ):
         topp = topp_pipeline(rows, local_logits.device)
     if topp is not None:
