@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -178,14 +178,11 @@ def can_shard_verify(
     # rule fails, goes through the per-request loops, which name the first failing request
     plain = _plain_values(temperatures, top_k, top_p, min_p)
     temps = temperatures.tolist() if isinstance(temperatures, np.ndarray) else temperatures
-    top_k, top_p, min_p = _as_list(top_k), _as_list(top_p), _as_list(min_p)
-    if not plain or not _all_pass(
-        temps, top_k, top_p, min_p, vocab_size, allow_temperature, allow_nucleus
-    ):
+    values = _Requests(temps, _as_list(top_k), _as_list(top_p), _as_list(min_p))
+    if not plain or not _all_pass(values, vocab_size, allow_temperature, allow_nucleus):
         per_request = _per_request_rules(
-            temps, top_k, top_p, min_p, vocab_size, allow_temperature, allow_top_k,
-            allow_nucleus, candidates,
-        )  # fmt: skip
+            values, vocab_size, allow_temperature, allow_top_k, allow_nucleus, candidates
+        )
         if per_request is not None:
             return per_request
     flags = (
@@ -233,24 +230,29 @@ def _plain_values(temperatures: Any, top_k: Any, top_p: Any, min_p: Any) -> bool
     )
 
 
+class _Requests(NamedTuple):
+    """The per-request values of :func:`can_shard_verify` (NumPy arrays as Python lists)."""
+
+    temperatures: Sequence[Any]
+    top_k: Sequence[Any] | None
+    top_p: Sequence[Any] | None
+    min_p: Sequence[Any] | None
+
+
 def _all_pass(
-    temperatures: Sequence[Any],
-    top_k: Sequence[Any] | None,
-    top_p: Sequence[Any] | None,
-    min_p: Sequence[Any] | None,
-    vocab_size: int | None,
-    allow_temperature: bool,
-    allow_nucleus: bool,
+    values: _Requests, vocab_size: int | None, allow_temperature: bool, allow_nucleus: bool
 ) -> bool:
-    """Whether every per-request rule of :func:`can_shard_verify` passes for plain Python numbers
-    (:func:`_plain_values`' ``tolist``), decided with the built-ins' C loops (``any`` / ``min`` / ``max`` / ``count`` over the values: ~0.05 us a
-    request, where the rules' own loop takes ~0.5 and NumPy's operations ~1 us each on a step's
-    few values): True only where :func:`_per_request_rules` would neither return a reason nor
-    raise. False -- also for values these built-ins cannot order -- sends the step through those
-    loops, which name the failing request."""
+    """Whether every per-request rule of :func:`can_shard_verify` passes for plain Python
+    numbers (:func:`_plain_values`' ``tolist``), decided with the built-ins' C loops (``any`` /
+    ``min`` / ``max`` over the values: ~0.05 us a request, where the rules' own loop takes ~0.5
+    and NumPy's operations ~1 us each on a step's few values): True only where
+    :func:`_per_request_rules` would neither return a reason nor raise. False -- also for values
+    these built-ins cannot order -- sends the step through those loops, which name the failing
+    request."""
+    temperatures, top_k, top_p, min_p = values
     try:
-        for values in (top_k, top_p, min_p):  # a NaN raises
-            if values is not None and any(map(_is_nan, values)):
+        for given in (top_k, top_p, min_p):  # a NaN raises
+            if given is not None and any(map(_is_nan, given)):
                 return False
         if not allow_temperature:
             if any(temperatures):  # every one 0.0 (-0.0 too; a NaN is truthy)
@@ -275,10 +277,7 @@ def _all_pass(
 
 
 def _per_request_rules(
-    temperatures: Sequence[Any],
-    top_k: Sequence[Any] | None,
-    top_p: Sequence[Any] | None,
-    min_p: Sequence[Any] | None,
+    values: _Requests,
     vocab_size: int | None,
     allow_temperature: bool,
     allow_top_k: bool,
@@ -288,10 +287,11 @@ def _per_request_rules(
     """:func:`can_shard_verify`'s per-request rules in order, one request at a time: the first
     failing one's decision (or its ValueError for a NaN top-k / top-p / min-p), None when all
     pass."""
-    for name, values in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
-        if values is None:
+    temperatures, top_k, top_p, min_p = values
+    for name, given in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if given is None:
             continue
-        for i, v in enumerate(values):
+        for i, v in enumerate(given):
             if _is_nan(v):
                 raise ValueError(
                     f"{name}[{i}]={v}: NaN is not a valid {name.replace('_', '-')} value "

@@ -298,10 +298,10 @@ def test_odd_values_decide_as_the_loops(make, allow):
             got["temperatures"] = list(got["temperatures"])
         lists = {k: gate._as_list(v) for k, v in got.items()}
         try:
-            reason = gate._per_request_rules(
-                lists["temperatures"], lists.get("top_k"), lists.get("top_p"),
-                lists.get("min_p"), 1000, allow, False, False, None,
-            )  # fmt: skip
+            values = gate._Requests(
+                lists["temperatures"], lists.get("top_k"), lists.get("top_p"), lists.get("min_p")
+            )
+            reason = gate._per_request_rules(values, 1000, allow, False, False, None)
         except (ValueError, TypeError, OverflowError) as e:
             return ("raised", type(e).__name__)
         return reason if reason is not None else ShardDecision(True, None)
