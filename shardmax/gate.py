@@ -246,34 +246,26 @@ def _all_pass(
     numbers (:func:`_plain_values`' ``tolist``), decided with the built-ins' C loops (``any`` /
     ``min`` / ``max`` over the values: ~0.05 us a request, where the rules' own loop takes ~0.5
     and NumPy's operations ~1 us each on a step's few values): True only where
-    :func:`_per_request_rules` would neither return a reason nor raise. False -- also for values
-    these built-ins cannot order -- sends the step through those loops, which name the failing
-    request."""
+    :func:`_per_request_rules` would neither return a reason nor raise. False sends the step
+    through those loops, which name the failing request."""
     temperatures, top_k, top_p, min_p = values
-    try:
-        for given in (top_k, top_p, min_p):  # a NaN raises
-            if given is not None and any(map(_is_nan, given)):
-                return False
-        if not allow_temperature:
-            if any(temperatures):  # every one 0.0 (-0.0 too; a NaN is truthy)
-                return False
-        elif temperatures and (
-            any(map(_is_nan, temperatures))
-            or min(temperatures) < 0.0
-            or max(temperatures) == math.inf
-        ):
-            return False  # each 0, or finite and > 0
-        if allow_nucleus:
-            return True
-        if top_k is not None and any(
-            k > 0 and (vocab_size is None or k < vocab_size) for k in top_k
-        ):
-            return False  # (allow_top_k's cap is the loop's to decide)
-        if top_p is not None and any(p != 1.0 for p in top_p):
+    for given in (top_k, top_p, min_p):  # a NaN raises
+        if given is not None and any(map(_is_nan, given)):
             return False
-        return min_p is None or not any(min_p)  # every one 0.0 (NaN excluded above)
-    except (TypeError, ValueError):  # values that do not compare as numbers: the loops decide
+    if not allow_temperature:
+        if any(temperatures):  # every one 0.0 (-0.0 too; a NaN is truthy)
+            return False
+    elif temperatures and (
+        any(map(_is_nan, temperatures)) or min(temperatures) < 0.0 or max(temperatures) == math.inf
+    ):
+        return False  # each 0, or finite and > 0
+    if allow_nucleus:
+        return True
+    if top_k is not None and any(k > 0 and (vocab_size is None or k < vocab_size) for k in top_k):
+        return False  # (allow_top_k's cap is the loop's to decide)
+    if top_p is not None and any(p != 1.0 for p in top_p):
         return False
+    return min_p is None or not any(min_p)  # every one 0.0 (NaN excluded above)
 
 
 def _per_request_rules(
