@@ -20,7 +20,10 @@ padding would win if read) goes through ``topp_hist_*``; the records are stacked
 Timed (CUDA-graph replay, us per launch, L2-cold inputs; and the eager host cost of the
 launches as vLLM would make them, mean over the timed calls): one rank's local stage on its
 shard (``topp_hist`` at both blocks, split per row to fill the GPU, + ``topp_combine``), ``topp_replay`` on the gathered records, vLLM 0.33's ``apply_top_k_top_p_triton`` on the
-full fp32 logits (what vLLM runs for the same rows after its all-gather), and the HBM floor of
+full fp32 logits (what vLLM runs for the same rows after its all-gather), on the split pipelines
+``topp_replay`` at 4 and 8 warps deciding a round's eight pivots 8, 4 or 2 at a time
+(``pivots``; each launch's bits compared with 8 pivots' at the same warps, the count of those
+that differ in ``other_bits``), and the HBM floor of
 reading one shard once (bytes / measured copy bandwidth). Bytes: one rank's records against its
 bf16 shard in the full-logits all-gather.
 """
@@ -45,7 +48,7 @@ FIELDS = ["vocab", "tp", "rows", "pipeline", "steps", "topp_rows", "certified_pc
           "parity_mismatch", "oracle_rows", "oracle_mismatch", "nondeterministic",
           "hist_us", "hist_b2048_atomic_us", "hist_b2048_histogram_us", "hist_b4096_atomic_us",
           "hist_b4096_histogram_us", "splits", "hist_us_per_splits", "replay_us",
-          "replay_us_per_warps", "vllm_topp_us",
+          "replay_us_per_warps", "replay_us_per_warps_pivots", "vllm_topp_us",
           "floor_us", "host_us", "host_functions_us",
           "record_bytes_per_rank", "shard_bytes_per_rank", "bytes_pct"]  # fmt: skip
 
@@ -94,7 +97,7 @@ def _time_case(
     tp: int,
     chain: Any,
     gbps: float,
-) -> tuple[dict[tuple[int, bool], float], float, float, dict[str, float], int, dict, dict]:
+) -> tuple[dict[tuple[int, bool], float], float, float, dict[str, float], int, dict, dict, dict]:
     """(one rank's local stage us per (block 2048 / 4096, atomic counts or tl.histogram),
     topp_replay us, vLLM's top-p us, eager host us of the fastest local stage and the replay,
     its splits)."""
@@ -102,6 +105,7 @@ def _time_case(
     from shardmax.ops.topp import (
         KEPT_WORDS,
         RECORD_WORDS,
+        REPLAY_PIVOTS,
         STAT_WORDS,
         TOPP_HIST_BLOCK,
         ToppPlan,
@@ -109,7 +113,7 @@ def _time_case(
         topp_histograms,
         topp_kept_sets,
     )
-    from shardmax.reference.nucleus_replay import HIST_LEVELS
+    from shardmax.reference.nucleus_replay import HIST_LEVELS, Pipeline
 
     dev = logits.device
     rows = logits.shape[0]
@@ -143,10 +147,12 @@ def _time_case(
                         atomic=atomic)  # fmt: skip
 
     rep_warps: list[int | None] = [None]
+    rep_pivots: list[int | None] = [None]
 
     def rep(i: int) -> None:
         topp_kept_sets(rec, temp, top_p, sigma, dtype=logits.dtype, pipeline=pipeline,
-                       out=(kept, stat), num_warps=rep_warps[0])  # fmt: skip
+                       out=(kept, stat), num_warps=rep_warps[0],
+                       pivots=rep_pivots[0])  # fmt: skip
 
     full = [logits.float() for _ in range(max(1, copies // (2 * tp)))]
 
@@ -174,6 +180,25 @@ def _time_case(
     rep_warps[0] = None
     print(f"[topp_kernels] replay us per warps {t_rep_w}", flush=True)
     t_rep = min(t_rep_w.values())
+    t_rep_p: dict[str, float] = {}
+    other_bits: list[str] = []
+    if pipeline != Pipeline.MONOLITHIC:  # the split searches: warps x pivots decided at once
+        for warps in (4, 8):  # (the warps order fp64 sums: bits are compared at equal warps)
+            want: tuple[torch.Tensor, torch.Tensor] | None = None
+            for pivots in REPLAY_PIVOTS[::-1][:3]:  # 8 first
+                rep_warps[0], rep_pivots[0] = warps, pivots
+                kept.zero_()
+                rep(0)
+                torch.cuda.synchronize()
+                if want is None:
+                    want = (kept.clone(), stat.clone())
+                elif not (torch.equal(kept, want[0]) and torch.equal(stat, want[1])):
+                    other_bits.append(f"w{warps}_p{pivots}")
+                t_rep_p[f"w{warps}_p{pivots}"] = measure(rep, 1, dev).p50
+        rep_warps[0] = rep_pivots[0] = None
+        print(f"[topp_kernels] replay us per warps / pivots {t_rep_p}; bits other than 8 "
+              f"pivots' at the same warps: {other_bits or 'none'}", flush=True)  # fmt: skip
+    t_rep_p["other_bits"] = len(other_bits)
     try:
         t_vllm = measure(vllm, len(full), dev).p50
     except Exception as e:
@@ -202,7 +227,7 @@ def _time_case(
                 rep(0)
         host[name] = (time.perf_counter() - t0) * 1e6 / calls
         torch.cuda.synchronize()
-    return t_hist, t_rep, t_vllm, host, splits[block], t_split, t_rep_w
+    return t_hist, t_rep, t_vllm, host, splits[block], t_split, t_rep_w, t_rep_p
 
 
 def run(
@@ -269,7 +294,7 @@ def run(
                         agg["orc_bad"] += kept_set_violation(raw[i], vk[i], ks, row[8]) is not None
                 # timing on the last step's rows
                 width = ranks[0][0].shape[1]
-                t_hist, t_rep, t_vllm, host, splits, t_split, t_rep_w = _time_case(
+                t_hist, t_rep, t_vllm, host, splits, t_split, t_rep_w, t_rep_p = _time_case(
                     ranks, b.logits, temp, top_p, sigma, cfg.pipeline, tp, chain, gbps
                 )
                 shard_bytes = rows * width * 2
@@ -287,6 +312,8 @@ def run(
                     "splits": splits, "replay_us": round(t_rep, 2),
                     "hist_us_per_splits": json.dumps({k: round(t, 2) for k, t in t_split.items()}),
                     "replay_us_per_warps": json.dumps({k: round(t, 2) for k, t in t_rep_w.items()}),
+                    "replay_us_per_warps_pivots": json.dumps({k: round(t, 2)
+                                                              for k, t in t_rep_p.items()}),
                     "vllm_topp_us": round(t_vllm, 2),
                     "floor_us": round(shard_bytes / (gbps * 1e3), 2),
                     "host_us": round(host["plan"], 1),

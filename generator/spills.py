@@ -40,26 +40,16 @@ SPLIT_SEARCHES = ("split", "split_v032")
 """``topp_replay``'s constexpr sets of vLLM's split pipelines (``CONFIGS`` whose ``PIPELINE`` is not
 the monolithic one's): the runtime launches them at :func:`config_warps`' warps."""
 
-_SPLIT_REPLAY = (
-    "56 B of stack in the split top-p search at 8 warps (544-556 B at 4), which decides a "
-    "round's eight pivots on [8, LEVELS] fp64 tiles; in the engine loop on an H100 (V = 200064, "
-    "TP 1, four machine sessions) it took 59.0-60.4 us at 4 and 32 rows against 77.4-79.6 at 4 "
-    "warps, every request == vLLM's (benchmarks/results/sm90/topp_replay_warps)"
-)
-KNOWN_SPILLS: dict[str, dict[str, str]] = {
-    "sm90": {
-        f"topp_replay_{d}@w8[{c}]": _SPLIT_REPLAY for d in ("bf16", "fp16") for c in SPLIT_SEARCHES
-    },
-    "gfx950": {},
-}
+KNOWN_SPILLS: dict[str, dict[str, str]] = {"sm90": {}, "gfx950": {}}
 """Spills of selectable launches that are known and accepted for now, per arch, with why (keys:
-:func:`launch_name`): on sm90 the split top-p searches at 8 warps (gfx950 runs them at 4
-wavefronts of 64 lanes, which do not spill). (The top-p combine's merge of 4 splits, which
-spilled 8 B at 8 warps on sm90, launches at 4 warps there since: no spill,
-``shardmax.runtime.defaults.TOPP_COMBINE_PARTS4_WARPS``.) (The
-gfx950 entries this once held -- every ``sampled_record_*_b2048`` and ``sampled_finish_tp{2,4,8}``
--- were SGPR spills into VGPR lanes, no memory traffic, which the report counted as bytes; they
-are ``sgpr_spills`` now, see :mod:`generator.aot`.)"""
+:func:`launch_name`, values: why). None today. (The split top-p searches at 8 warps on sm90,
+which decided a round's eight pivots on ``[8, LEVELS]`` fp64 tiles and spilled 56 B per thread,
+decide them four at a time since: ``topp_replay``'s ``PIVOTS``, no spill. The top-p combine's
+merge of 4 splits, which spilled 8 B at 8 warps on sm90, launches at 4 warps there:
+``shardmax.runtime.defaults.TOPP_COMBINE_PARTS4_WARPS``. The gfx950 entries this once held --
+every ``sampled_record_*_b2048`` and ``sampled_finish_tp{2,4,8}`` -- were SGPR spills into VGPR
+lanes, no memory traffic, which the report counted as bytes; they are ``sgpr_spills`` now, see
+:mod:`generator.aot`.)"""
 
 
 def config_warps(arch: str) -> dict[tuple[str, str], int]:

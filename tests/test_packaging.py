@@ -296,6 +296,7 @@ def _record_topp_launches(monkeypatch) -> list[dict[str, object]]:
         def launch(grid, *args, **kwargs):
             seen.append({"name": name, **kwargs})
 
+        launch.module = importlib.import_module(f"shardmax.generated.{name}")  # type: ignore[attr-defined]
         return launch
 
     monkeypatch.setattr(topp, "kernel", fake_kernel)
@@ -355,3 +356,7 @@ def test_split_topp_search_launch_uses_the_reports_warps(monkeypatch) -> None:
         config_warps(arch)[("topp_replay", "split_v032")],
     ]
     assert [s["PIPELINE"] for s in seen] == [0, 1, 2]
+    configs = importlib.import_module("shardmax.generated.topp_replay_bf16").CONFIGS
+    # the split searches' constexpr sets are the module's CONFIGS, which the report compiles
+    assert [s["PIVOTS"] for s in seen[1:]] == [configs["split"]["PIVOTS"], 4]
+    assert configs["split_v032"]["PIVOTS"] == 4

@@ -15,11 +15,17 @@ import math
 
 import numpy as np
 import pytest
+import shardmax.generated.topp_replay_bf16 as replay_mod
 import torch
+import triton
+import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardmax.ops.topp import (
     KEPT_WORDS,
     RECORD_WORDS,
+    REPLAY_PIVOTS,
     STAT_WORDS,
     ToppPlan,
     topp_histograms,
@@ -282,6 +288,160 @@ def test_kept_sets_match_reference(
     assert not branch or 1 in seen["branches"], seen
 
 
+@triton.jit
+def _decide_both(par_ptr, q_ptr, c_ptr, f_ptr, i_ptr, LEVELS: tl.constexpr, PIVOTS: tl.constexpr):
+    """A split round's pivots (from ``lo``, ``step``) decided all at once
+    (``decide_each``, row 0 of the outputs) and ``PIVOTS`` at a time (``decide_groups``, row 1):
+    fp64 ``f[row, 0:3, 8]`` (piv, mass, g), int32 ``i[row, 0:6, 8]`` (over, ok, n, level,
+    branches, reason)."""
+    lo = tl.load(par_ptr)
+    step = tl.load(par_ptr + 1)
+    p = tl.load(par_ptr + 2)
+    branches = tl.load(par_ptr + 3).to(tl.int32)
+    j = tl.arange(0, LEVELS)
+    q = tl.load(q_ptr + j)
+    c = tl.load(c_ptr + j)
+    live = c > 0
+    e = c.to(tl.float64) * q
+    eps = tl.full([], 2.0**-15, tl.float64)
+    zero = tl.zeros([], tl.float64)
+    k = tl.arange(0, 8)
+    piv = lo * tl.exp(step * (k + 1.0) / 9.0)
+    over, ok, mass, g, n, lvl, br, rs = replay_mod.decide_each(
+        piv, eps, False, branches, q, e, c, live, j, zero, zero, p
+    )
+    piv2, over2, ok2, mass2, g2, n2, lvl2, br2, rs2 = replay_mod.decide_groups(
+        lo, step, eps, False, branches, q, e, c, live, j, zero, zero, p, PIVOTS
+    )
+    tl.store(f_ptr + k, piv)
+    tl.store(f_ptr + 8 + k, mass)
+    tl.store(f_ptr + 16 + k, g)
+    tl.store(f_ptr + 24 + k, piv2)
+    tl.store(f_ptr + 32 + k, mass2)
+    tl.store(f_ptr + 40 + k, g2)
+    tl.store(i_ptr + k, over.to(tl.int32))
+    tl.store(i_ptr + 8 + k, ok.to(tl.int32))
+    tl.store(i_ptr + 16 + k, n)
+    tl.store(i_ptr + 24 + k, lvl)
+    tl.store(i_ptr + 32 + k, br)
+    tl.store(i_ptr + 40 + k, rs)
+    tl.store(i_ptr + 48 + k, over2.to(tl.int32))
+    tl.store(i_ptr + 56 + k, ok2.to(tl.int32))
+    tl.store(i_ptr + 64 + k, n2)
+    tl.store(i_ptr + 72 + k, lvl2)
+    tl.store(i_ptr + 80 + k, br2)
+    tl.store(i_ptr + 88 + k, rs2)
+
+
+def _round(seed: int) -> tuple[float, float, torch.Tensor, torch.Tensor, float]:
+    """A split round's bracket ``(lo, hi)``, levels (``q`` fp64, counts int32,
+    ``[HIST_LEVELS]``: a top level of 0.5, then 3-7 levels placed between the round's pivots
+    with 1-1000 tokens each) and a top-p at, or within 1e-5 of, the mass above one level --
+    where the decisions become ambiguous and the round meets branch points and flags."""
+    from shardmax.reference.nucleus_replay import HIST_LEVELS
+
+    rng = np.random.default_rng(seed)
+    lo = 10 ** rng.uniform(-8, -3)
+    hi = lo * 10 ** rng.uniform(0.01, 2)
+    piv = lo * np.exp(np.log(hi / lo) * (np.arange(8) + 1.0) / 9.0)
+    edges = np.concatenate([[lo * 0.5], piv, [hi * 2]])
+    levels = [(0.5, 1)]
+    for gap in sorted(rng.choice(9, size=rng.integers(3, 8), replace=True), reverse=True):
+        qg = edges[gap] * (edges[gap + 1] / edges[gap]) ** rng.uniform(0.1, 0.9)
+        levels.append((float(qg), int(rng.choice([1, 2, 5, 100, 1000]))))
+    levels.sort(key=lambda t: -t[0])
+    q = torch.zeros(HIST_LEVELS, dtype=torch.float64)
+    c = torch.zeros(HIST_LEVELS, dtype=torch.int32)
+    for i, (qi, ci) in enumerate(levels):
+        q[i], c[i] = qi, ci
+    cum = np.cumsum([qi * ci for qi, ci in levels])
+    mass = cum[rng.integers(1, len(levels))]
+    return lo, hi, q, c, float(np.float32(mass * (1 + rng.choice([0.0, 1e-6, -1e-6, 1e-5]))))
+
+
+def _decide(seed: int, pivots: int, branches: int) -> tuple[list[int], list[int]]:
+    """:func:`_decide_both` on :func:`_round` ``(seed)``: asserts both ways give the same bits;
+    returns ``decide_each``'s running branch count and reason per pivot."""
+    from shardmax.reference.nucleus_replay import HIST_LEVELS
+
+    lo, hi, q, c, p = _round(seed)
+    par = torch.tensor([lo, math.log(hi / lo), p, branches], dtype=torch.float64)
+    f = torch.full((2, 3, 8), -7.0, dtype=torch.float64)
+    i = torch.full((2, 6, 8), -7, dtype=torch.int32)
+    _decide_both[(1,)](par, q, c, f, i, LEVELS=HIST_LEVELS, PIVOTS=pivots)
+    assert torch.equal(f[1], f[0]) and torch.equal(i[1], i[0]), (seed, pivots, f, i)
+    return i[0, 4].tolist(), i[0, 5].tolist()
+
+
+@pytest.mark.parametrize("pivots", [4, 2, 1])
+def test_pivot_groups_carry_the_branch_count(pivots: int) -> None:
+    """``decide_groups`` (``PIVOTS`` at a time) == ``decide_each`` (all eight) bit for bit on
+    rounds that meet a branch point in the first half and one in the second: the count of
+    branch points runs across the groups, so the second one flags the row. (Rounds 81 and 17
+    of :func:`_round`, found by a search; a count restarting per group fails here.)"""
+    br, rs = _decide(81, pivots, 0)
+    assert br == [0, 0, 0, 1, 2, 2, 2, 2] and rs[:5] == [0, 0, 0, 0, ReplayReason.MASS_MARGIN]
+    br, rs = _decide(17, pivots, 0)
+    assert br[3] == 1 and br[4] == 2 and rs[:4] == [0] * 4 and rs[4] != 0
+    br, rs = _decide(81, pivots, 1)  # one branch point before the round: the first flags
+    assert br[3] == 2 and rs[3] == ReplayReason.MASS_MARGIN
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1), pivots=st.sampled_from([4, 2, 1]), branches=st.integers(0, 1)
+)
+def test_pivot_groups_equal_all_at_once(seed: int, pivots: int, branches: int) -> None:
+    """Any round of :func:`_round`: ``PIVOTS`` at a time == all eight at once, bit for bit."""
+    _decide(seed, pivots, branches)
+
+
+BRANCH_ROWS = ((5, 77), (7, 55))
+"""Rows of ``lm_logits(8, 3000, seed=0, profile=HOT)`` and the level whose cumulative mass (at
+T = 1) planted as their top-p makes vLLM 0.33's split search meet branch points in two rounds,
+the first in the first half of a round (found with the reference); both flag the row."""
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "pivots"), [(Pipeline.SPLIT, (8, 4, 1)), (Pipeline.SPLIT_V032, (8, 2))]
+)
+def test_split_pivots_give_the_same_bits(pipeline: Pipeline, pivots: tuple[int, ...]) -> None:
+    """The whole search with a split round's eight pivots decided 8 and 4, 2 or 1 at a time
+    (``pivots``, the template's ``PIVOTS``): the same kept sets and statistics bit for bit,
+    each the reference's, on edge rows and on :data:`BRANCH_ROWS` (the groups' own bits:
+    :func:`test_pivot_groups_carry_the_branch_count`)."""
+    vocab, tp = 3000, 2
+    x = _rows(vocab, torch.bfloat16, seed=43, lm=1, hot=3, normal=1)
+    temp = _temps(x.shape[0])
+    top_p = torch.tensor([(0.95, 0.8, 0.5, 0.99, 1.0, 0.95)[i % 6] for i in range(x.shape[0])])
+    hot = lm_logits(8, vocab, seed=0, dtype=torch.bfloat16, profile=HOT)
+    planted = []
+    for i, k in BRANCH_ROWS:
+        h = level_histogram(hot[i], 1.0)
+        cum = np.cumsum(h.counts * np.exp(h.values - h.m) / h.z)
+        planted.append(float(np.float32(cum[k])))
+    x = torch.cat([x, hot[[i for i, _ in BRANCH_ROWS]]])
+    temp = torch.cat([temp, torch.ones(len(BRANCH_ROWS))])
+    top_p = torch.cat([top_p, torch.tensor(planted)])
+    rows = x.shape[0]
+    recs = torch.stack(_records(x, temp, tp, 8192, 2048))
+    got = {
+        pv: topp_kept_sets(recs, temp, top_p, SIGMA, dtype=x.dtype, pipeline=pipeline, pivots=pv)
+        for pv in pivots
+    }
+    kept, stat = got[8]
+    for pv in pivots:
+        assert torch.equal(got[pv][0], kept) and torch.equal(got[pv][1], stat), pv
+    cfg = PipelineConfig(pipeline, 8192)
+    for i in range(rows):
+        parts = [decode_record(recs[r, i]) for r in range(tp)]
+        want = _expected(parts, x.dtype, float(temp[i]), float(top_p[i]), cfg)
+        assert kernel_row(kept[i].tolist()) == want, f"row {i}"
+    assert kept[-len(BRANCH_ROWS) :, 0].tolist() == [ReplayReason.MASS_MARGIN] * len(BRANCH_ROWS)
+    with pytest.raises(ValueError, match="pivots"):
+        topp_kept_sets(recs, temp, top_p, SIGMA, dtype=x.dtype, pipeline=pipeline, pivots=3)
+
+
 def test_errors_name_the_argument() -> None:
     x = torch.zeros(2, 64, dtype=torch.float32)
     with pytest.raises(TypeError, match="local_logits"):
@@ -401,7 +561,7 @@ def test_kernels_on_gpu(tp: int) -> None:
     """On CUDA (compiled kernels, splits per row, atomics): records == the ``tl.histogram``
     counting's bit for bit (same tiling; at another tiling the exact fields), every call twice
     with the same bits (:func:`twice`), and every pipeline's kept sets == the reference on the
-    same records."""
+    same records -- the split searches' at every ``pivots`` with the same bits."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     vocab = 50257
@@ -425,9 +585,14 @@ def test_kernels_on_gpu(tp: int) -> None:
     ]  # counts, top key, flags, max, min: exact at any tiling
     assert torch.equal(recs[..., ints], wide[..., ints])  # fmt: skip
     for pipeline in Pipeline:
-        kept, _stat = twice(
+        kept, stat = twice(
             topp_kept_sets, recs, temp, top_p, SIGMA.cuda(), dtype=x.dtype, pipeline=pipeline
         )
+        if pipeline != Pipeline.MONOLITHIC:  # the round's pivots 8, 4, 2 or 1 at a time
+            for pv in REPLAY_PIVOTS:
+                k2, s2 = topp_kept_sets(recs, temp, top_p, SIGMA.cuda(), dtype=x.dtype,
+                                        pipeline=pipeline, pivots=pv)  # fmt: skip
+                assert torch.equal(k2, kept) and torch.equal(s2, stat), (pipeline.name, pv)
         cfg = PipelineConfig(pipeline, 8192)
         for i in range(rows):
             parts = [decode_record(recs[r, i]) for r in range(tp)]

@@ -21,6 +21,8 @@ shape (checks, splits, buffers) so that each call only launches.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -52,6 +54,8 @@ _ARCH_FAMILY = "gfx" if torch.version.hip else "sm"
 """This platform's arch family, for the launches whose warps depend on it."""
 _SPLIT_REPLAY_WARPS = topp_split_replay_warps(_ARCH_FAMILY)
 """Warps of the split top-p searches on this platform (AMD wavefronts are 64 lanes wide)."""
+REPLAY_PIVOTS = (1, 2, 4, 8)
+"""The ``pivots`` :func:`topp_kept_sets` takes: a split round's eight pivots in groups of this many."""
 
 RECORD_WORDS = HIST_LEVELS // 2 + 8
 """int32 words of one rank's record of one row (the exchange's unit)."""
@@ -160,17 +164,43 @@ def _launch_replay(
     pipeline: Pipeline,
     tile0: int,
     num_warps: int | None = None,
+    pivots: int | None = None,
 ) -> None:
     """``topp_replay``'s launch on checked arguments (``num_warps`` None: the split pipelines
-    at :data:`_SPLIT_REPLAY_WARPS`, the monolithic one at the variant's own)."""
+    at :data:`_SPLIT_REPLAY_WARPS`, the monolithic one at the variant's own; ``pivots`` None:
+    the module's constexpr set of the pipeline, :func:`_replay_constexprs`)."""
     tp, rows = records.shape[:2]
     if num_warps is None and pipeline != Pipeline.MONOLITHIC:
         num_warps = _SPLIT_REPLAY_WARPS
-    kernel(VariantKey("topp_replay", dtype=dtype_name).name)(
+    name = VariantKey("topp_replay", dtype=dtype_name).name
+    const = _replay_constexprs(name, pipeline)
+    if pivots is not None:
+        const = {**const, "PIVOTS": pivots}
+    kernel(name)(
         (rows,), records, temperature, top_p, sigma, kept, stat, rows, records.stride(0), tp, tile0,
-        PIPELINE=int(pipeline), LEVELS=HIST_LEVELS,
-        **({} if num_warps is None else {"num_warps": num_warps}),
+        **const, **({} if num_warps is None else {"num_warps": num_warps}),
     )  # fmt: skip
+
+
+_PIPELINE_CONFIG = {Pipeline.SPLIT: "split", Pipeline.SPLIT_V032: "split_v032"}
+"""``topp_replay``'s ``CONFIGS`` entry of each split pipeline (the monolithic one: its
+``CONSTEXPRS``)."""
+
+
+@functools.cache
+def _replay_constexprs(name: str, pipeline: Pipeline) -> dict[str, int]:
+    """The constexprs ``topp_replay`` variant ``name`` is launched with on ``pipeline``: its
+    module's ``CONSTEXPRS`` with the pipeline's ``CONFIGS`` entry (``PIPELINE`` and, on the split
+    searches, ``PIVOTS``) -- the sets the AOT report compiles (``generator/spills.py``)."""
+    mod = kernel(name).module
+    over = mod.CONFIGS[_PIPELINE_CONFIG[pipeline]] if pipeline in _PIPELINE_CONFIG else {}
+    const = {**mod.CONSTEXPRS, **over}
+    const.pop("PDL", None)  # the launcher decides (shardmax.runtime.kernels)
+    if const["PIPELINE"] != int(pipeline) or const["LEVELS"] != HIST_LEVELS:
+        raise RuntimeError(
+            f"{name}: constexprs {const} do not launch {pipeline!r} on {HIST_LEVELS} levels"
+        )
+    return const
 
 
 def merge_block(parts: int) -> int:
@@ -284,6 +314,7 @@ def topp_kept_sets(
     tile0: int = 8192,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_warps: int | None = None,
+    pivots: int | None = None,
     check_values: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's certified kept set from the gathered records (module docstring, step 3).
@@ -303,6 +334,10 @@ def topp_kept_sets(
         num_warps: warps per row (default: :func:`~shardmax.runtime.defaults.
             topp_split_replay_warps` of the platform on the split pipelines, the variant's
             ``NUM_WARPS`` on the monolithic one).
+        pivots: on the split pipelines, how many of a round's eight pivots the search decides at
+            once, one of :data:`REPLAY_PIVOTS` (default: the ``PIVOTS`` of the variant's
+            ``CONFIGS`` for the pipeline); the answer is the same bits at every value, only
+            registers and time differ. The monolithic pipeline ignores it.
         check_values: read ``top_p`` / ``temperature`` on the host and raise for values vLLM
             refuses (a device sync; without it such rows get reason 8).
 
@@ -338,6 +373,8 @@ def topp_kept_sets(
     if type(tile0) is not int:
         raise TypeError(f"tile0: expected an int, got {type(tile0).__name__}")
     pipeline = Pipeline(pipeline)
+    if pivots is not None and (type(pivots) is not int or pivots not in REPLAY_PIVOTS):
+        raise ValueError(f"pivots: expected one of {REPLAY_PIVOTS} or None, got {pivots!r}")
     if out is None:
         kept = torch.empty((rows, KEPT_WORDS), dtype=torch.int32, device=device)
         stat = torch.empty((rows, STAT_WORDS), dtype=torch.float64, device=device)
@@ -356,7 +393,8 @@ def topp_kept_sets(
     if rows == 0:
         return kept, stat
     _launch_replay(records, temperature, top_p, sigma, kept, stat, dtype_name=dname,
-                   pipeline=pipeline, tile0=tile0, num_warps=num_warps)  # fmt: skip
+                   pipeline=pipeline, tile0=tile0, num_warps=num_warps,
+                   pivots=pivots)  # fmt: skip
     return kept, stat
 
 

@@ -71,10 +71,10 @@ the variant's ``NUM_WARPS``): 8 warps on NVIDIA, 4 wavefronts of 64 on AMD CDNA
 four machine sessions) 8 warps took the split search from 77.4-79.6 to 59.0-60.4 us at 4 and 32
 rows (benchmarks/results/sm90/topp_replay_warps), and the folded top-p call's kernel sum at 4
 rows from 240.4-242.8 to 202.7-203.7 us -- PDL-on sums, which count each kernel's device wait
-on the one ahead: 113.1 us with PDL off (benchmarks/results/sm90/topp_kernels_pdl_off). It
-spills 56 B per thread on sm90 there against 544-556 B at 4 (``generator/spills.py``). gfx950
-compiles the same 256 threads (4 wavefronts) without a spill; untimed there. Untuned default
-until the tuner covers the family."""
+on the one ahead: 113.1 us with PDL off (benchmarks/results/sm90/topp_kernels_pdl_off). With a
+round's pivots decided four at a time (the variant's ``CONFIGS``, ``PIVOTS`` 4) neither warps
+spill on sm90, nor 4 wavefronts on gfx950 (``generator/spills.py``); gfx950 is untimed. Untuned
+default until the tuner covers the family."""
 
 CANDIDATE_CHOICES = (32, 64, 128)
 """The C a table row may select (the tuner's ``candidates`` axis)."""
