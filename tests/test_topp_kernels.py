@@ -387,7 +387,7 @@ def test_pivot_groups_carry_the_branch_count(pivots: int) -> None:
     assert br[3] == 2 and rs[3] == ReplayReason.MASS_MARGIN
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1), pivots=st.sampled_from([4, 2, 1]), branches=st.integers(0, 1)
 )
@@ -403,10 +403,10 @@ the first in the first half of a round (found with the reference); both flag the
 
 
 @pytest.mark.parametrize(
-    ("pipeline", "pivots"), [(Pipeline.SPLIT, (8, 4, 1)), (Pipeline.SPLIT_V032, (8, 2))]
+    ("pipeline", "pivots"), [(Pipeline.SPLIT, (8, 4)), (Pipeline.SPLIT_V032, (8, 2))]
 )
 def test_split_pivots_give_the_same_bits(pipeline: Pipeline, pivots: tuple[int, ...]) -> None:
-    """The whole search with a split round's eight pivots decided 8 and 4, 2 or 1 at a time
+    """The whole search with a split round's eight pivots decided 8 and 4 or 2 at a time
     (``pivots``, the template's ``PIVOTS``): the same kept sets and statistics bit for bit,
     each the reference's, on edge rows and on :data:`BRANCH_ROWS` (the groups' own bits:
     :func:`test_pivot_groups_carry_the_branch_count`)."""
