@@ -198,7 +198,7 @@ def _time_case(
         rep_warps[0] = rep_pivots[0] = None
         print(f"[topp_kernels] replay us per warps / pivots {t_rep_p}; bits other than 8 "
               f"pivots' at the same warps: {other_bits or 'none'}", flush=True)  # fmt: skip
-    t_rep_p["other_bits"] = len(other_bits)
+        t_rep_p["other_bits"] = len(other_bits)
     try:
         t_vllm = measure(vllm, len(full), dev).p50
     except Exception as e:
@@ -375,6 +375,25 @@ def summary(rows: list[dict], device: str) -> str:
             f"{r['vllm_topp_us']} | {r['floor_us']} | {r['host_us']} / "
             f"{r['host_functions_us']} | {r['bytes_pct']} |"
         )
+    swept = [r for r in rows if json.loads(r.get("replay_us_per_warps_pivots") or "{}")]
+    if swept:
+        cols = [f"w{w}_p{p}" for w in (4, 8) for p in (8, 4, 2)]
+        lines += [
+            "",
+            "## The split search: warps x pivots decided at once (`topp_replay`'s `PIVOTS`)",
+            "",
+            "us per launch (CUDA-graph replay); `other bits` = launches whose kept sets or "
+            "statistics differ from 8 pivots' at the same warps.",
+            "",
+            f"| V | TP | rows | {' | '.join(c.replace('_', ' ') for c in cols)} | other bits |",
+            "|---|---|---|" + "---|" * (len(cols) + 1),
+        ]
+        for r in swept:
+            t = json.loads(r["replay_us_per_warps_pivots"])
+            cells = " | ".join(f"{t[c]:.1f}" if c in t else "-" for c in cols)
+            lines.append(
+                f"| {r['vocab']} | {r['tp']} | {r['rows']} | {cells} | {t.get('other_bits', 0)} |"
+            )
     return "\n".join(lines) + "\n"
 
 
