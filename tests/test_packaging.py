@@ -360,3 +360,10 @@ def test_split_topp_search_launch_uses_the_reports_warps(monkeypatch) -> None:
     # the split searches' constexpr sets are the module's CONFIGS, which the report compiles
     assert [s["PIVOTS"] for s in seen[1:]] == [configs["split"]["PIVOTS"], 4]
     assert configs["split_v032"]["PIVOTS"] == 4
+    seen.clear()  # ``pivots`` is the split searches' alone: the monolithic launch keeps its own
+    for pipeline in (Pipeline.MONOLITHIC, Pipeline.SPLIT):
+        topp._launch_replay(records, *rest, dtype_name="bf16", pipeline=pipeline, tile0=1, pivots=2)
+    assert [s["PIVOTS"] for s in seen] == [
+        topp.kernel("topp_replay_bf16").module.CONSTEXPRS["PIVOTS"],
+        2,
+    ]

@@ -289,29 +289,34 @@ def test_kept_sets_match_reference(
 
 
 @triton.jit
-def _decide_both(par_ptr, q_ptr, c_ptr, f_ptr, i_ptr, LEVELS: tl.constexpr, PIVOTS: tl.constexpr):
+def _decide_both(
+    par_ptr, q_ptr, c_ptr, f_ptr, i_ptr, LEVELS: tl.constexpr, PIVOTS: tl.constexpr,
+    HIGH: tl.constexpr,
+):  # fmt: skip
     """A split round's pivots (from ``lo``, ``step``) decided all at once
-    (``decide_each``, row 0 of the outputs) and ``PIVOTS`` at a time (``decide_groups``, row 1):
-    fp64 ``f[row, 0:3, 8]`` (piv, mass, g), int32 ``i[row, 0:6, 8]`` (over, ok, n, level,
-    branches, reason)."""
+    (``decide_each``, row 0 of the outputs) and ``PIVOTS`` at a time (``decide_groups``, row 1),
+    on the low (``HIGH`` False) or the high run: fp64 ``f[row, 0:3, 8]`` (piv, mass, g), int32
+    ``i[row, 0:6, 8]`` (over, ok, n, level, branches, reason). ``par``: lo, step, p, branches
+    before the round, the tail's mass, the floor level's q."""
     lo = tl.load(par_ptr)
     step = tl.load(par_ptr + 1)
     p = tl.load(par_ptr + 2)
     branches = tl.load(par_ptr + 3).to(tl.int32)
+    tail_p = tl.load(par_ptr + 4)
+    floor_q = tl.load(par_ptr + 5)
     j = tl.arange(0, LEVELS)
     q = tl.load(q_ptr + j)
     c = tl.load(c_ptr + j)
     live = c > 0
     e = c.to(tl.float64) * q
     eps = tl.full([], 2.0**-15, tl.float64)
-    zero = tl.zeros([], tl.float64)
     k = tl.arange(0, 8)
     piv = lo * tl.exp(step * (k + 1.0) / 9.0)
     over, ok, mass, g, n, lvl, br, rs = replay_mod.decide_each(
-        piv, eps, False, branches, q, e, c, live, j, zero, zero, p
+        piv, eps, HIGH, branches, q, e, c, live, j, tail_p, floor_q, p
     )
     piv2, over2, ok2, mass2, g2, n2, lvl2, br2, rs2 = replay_mod.decide_groups(
-        lo, step, eps, False, branches, q, e, c, live, j, zero, zero, p, PIVOTS
+        lo, step, eps, HIGH, branches, q, e, c, live, j, tail_p, floor_q, p, PIVOTS
     )
     tl.store(f_ptr + k, piv)
     tl.store(f_ptr + 8 + k, mass)
@@ -359,18 +364,25 @@ def _round(seed: int) -> tuple[float, float, torch.Tensor, torch.Tensor, float]:
     return lo, hi, q, c, float(np.float32(mass * (1 + rng.choice([0.0, 1e-6, -1e-6, 1e-5]))))
 
 
-def _decide(seed: int, pivots: int, branches: int) -> tuple[list[int], list[int]]:
-    """:func:`_decide_both` on :func:`_round` ``(seed)``: asserts both ways give the same bits;
-    returns ``decide_each``'s running branch count and reason per pivot."""
+def _decide(
+    seed: int, pivots: int, branches: int, high: bool = False, tail: bool = False
+) -> tuple[list[int], list[int], list[int]]:
+    """:func:`_decide_both` on :func:`_round` ``(seed)`` (``tail``: with a tail of 1 % of the
+    mass whose floor level lies among the round's pivots, so that some pivots reach it):
+    asserts both ways give the same bits; returns ``decide_each``'s running branch count,
+    reason and level per pivot."""
     from shardmax.reference.nucleus_replay import HIST_LEVELS
 
     lo, hi, q, c, p = _round(seed)
-    par = torch.tensor([lo, math.log(hi / lo), p, branches], dtype=torch.float64)
+    floor_q = lo * (hi / lo) ** 0.5 if tail else 0.0
+    par = torch.tensor(
+        [lo, math.log(hi / lo), p, branches, 0.01 if tail else 0.0, floor_q], dtype=torch.float64
+    )
     f = torch.full((2, 3, 8), -7.0, dtype=torch.float64)
     i = torch.full((2, 6, 8), -7, dtype=torch.int32)
-    _decide_both[(1,)](par, q, c, f, i, LEVELS=HIST_LEVELS, PIVOTS=pivots)
+    _decide_both[(1,)](par, q, c, f, i, LEVELS=HIST_LEVELS, PIVOTS=pivots, HIGH=high)
     assert torch.equal(f[1], f[0]) and torch.equal(i[1], i[0]), (seed, pivots, f, i)
-    return i[0, 4].tolist(), i[0, 5].tolist()
+    return i[0, 4].tolist(), i[0, 5].tolist(), i[0, 3].tolist()
 
 
 @pytest.mark.parametrize("pivots", [4, 2, 1])
@@ -379,21 +391,45 @@ def test_pivot_groups_carry_the_branch_count(pivots: int) -> None:
     rounds that meet a branch point in the first half and one in the second: the count of
     branch points runs across the groups, so the second one flags the row. (Rounds 81 and 17
     of :func:`_round`, found by a search; a count restarting per group fails here.)"""
-    br, rs = _decide(81, pivots, 0)
+    br, rs, _ = _decide(81, pivots, 0)
     assert br == [0, 0, 0, 1, 2, 2, 2, 2] and rs[:5] == [0, 0, 0, 0, ReplayReason.MASS_MARGIN]
-    br, rs = _decide(17, pivots, 0)
+    br, rs, _ = _decide(17, pivots, 0)
     assert br[3] == 1 and br[4] == 2 and rs[:4] == [0] * 4 and rs[4] != 0
-    br, rs = _decide(81, pivots, 1)  # one branch point before the round: the first flags
+    br, rs, _ = _decide(81, pivots, 1)  # one branch point before the round: the first flags
     assert br[3] == 2 and rs[3] == ReplayReason.MASS_MARGIN
+    # with a tail the lower pivots reach: outcomes that disagree on the level (-2) travel
+    # through the groups too
+    assert -2 in _decide(0, pivots, 0, tail=True)[2]
+    assert -2 in _decide(0, pivots, 0, high=True, tail=True)[2]
+    _decide(81, pivots, 0, high=True)  # the high run: the branch points' other outcomes
+
+
+def test_pivot_groups_refuse_a_group_size_that_does_not_divide_eight() -> None:
+    """``PIVOTS`` 16 would run no group (every pivot 0): the kernel refuses to compile."""
+    from shardmax.reference.nucleus_replay import HIST_LEVELS
+
+    lo, hi, q, c, p = _round(0)
+    par = torch.tensor([lo, math.log(hi / lo), p, 0, 0, 0], dtype=torch.float64)
+    f = torch.zeros((2, 3, 8), dtype=torch.float64)
+    i = torch.zeros((2, 6, 8), dtype=torch.int32)
+    with pytest.raises(Exception, match="PIVOTS: 1, 2, 4 or 8"):
+        _decide_both[(1,)](par, q, c, f, i, LEVELS=HIST_LEVELS, PIVOTS=16, HIGH=False)
 
 
 @settings(max_examples=16, deadline=None)
 @given(
-    seed=st.integers(0, 2**32 - 1), pivots=st.sampled_from([4, 2, 1]), branches=st.integers(0, 1)
+    seed=st.integers(0, 2**32 - 1),
+    pivots=st.sampled_from([4, 2, 1]),
+    branches=st.integers(0, 1),
+    high=st.booleans(),
+    tail=st.booleans(),
 )
-def test_pivot_groups_equal_all_at_once(seed: int, pivots: int, branches: int) -> None:
-    """Any round of :func:`_round`: ``PIVOTS`` at a time == all eight at once, bit for bit."""
-    _decide(seed, pivots, branches)
+def test_pivot_groups_equal_all_at_once(
+    seed: int, pivots: int, branches: int, high: bool, tail: bool
+) -> None:
+    """Any round of :func:`_round`, on the low or the high run, with or without a tail:
+    ``PIVOTS`` at a time == all eight at once, bit for bit."""
+    _decide(seed, pivots, branches, high, tail)
 
 
 BRANCH_ROWS = ((5, 77), (7, 55))

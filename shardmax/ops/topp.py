@@ -174,7 +174,7 @@ def _launch_replay(
         num_warps = _SPLIT_REPLAY_WARPS
     name = VariantKey("topp_replay", dtype=dtype_name).name
     const = _replay_constexprs(name, pipeline)
-    if pivots is not None:
+    if pivots is not None and pipeline != Pipeline.MONOLITHIC:  # (read by the split searches)
         const = {**const, "PIVOTS": pivots}
     kernel(name)(
         (rows,), records, temperature, top_p, sigma, kept, stat, rows, records.stride(0), tp, tile0,
