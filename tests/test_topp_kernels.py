@@ -432,6 +432,79 @@ def test_pivot_groups_equal_all_at_once(
     _decide(seed, pivots, branches, high, tail)
 
 
+def _near_round(seed: int) -> tuple[float, float, np.ndarray, np.ndarray, float, float]:
+    """A split round ``(lo, hi)`` over levels where vLLM's 1e-9 duplicate test matters: a top
+    level of 0.5, then 3-6 groups of 1-3 adjacent levels, each level of a group within 1-3e-5
+    (relative) of the one above -- inside the test's reach -- with 1-1000 tokens each; a top-p
+    within 1e-5 of the mass above one level; and the tail's mass (0 or 1 %). Returns (lo, hi,
+    q, counts, p, tail)."""
+    from shardmax.reference.nucleus_replay import HIST_LEVELS
+
+    rng = np.random.default_rng(seed)
+    lo = 10 ** rng.uniform(-6, -3)
+    hi = lo * 10 ** rng.uniform(0.3, 1.5)
+    levels = [(0.5, 1)]
+    for qg in sorted(lo * (hi / lo) ** rng.uniform(0.05, 0.95, rng.integers(3, 7)))[::-1]:
+        for k in range(int(rng.integers(1, 4))):
+            levels.append((qg * (1 - k * rng.uniform(1e-5, 3e-5)), int(rng.choice([1, 3, 1000]))))
+    q = np.zeros(HIST_LEVELS - 1)
+    c = np.zeros(HIST_LEVELS - 1, dtype=np.int64)
+    for i, (qi, ci) in enumerate(levels):
+        q[i], c[i] = qi, ci
+    mass = np.cumsum(q * c)[rng.integers(1, len(levels))]
+    p = float(np.float32(mass * (1 + rng.choice([0.0, 3e-6, -3e-6, 1e-5]))))
+    return lo, hi, q, c, p, float(rng.choice([0.0, 0.01]))
+
+
+NEAR_ROUNDS = {4: (1, "NOT_CONVERGED"), 8: (3, "NOT_CONVERGED"), 10: (6, "NOT_CONVERGED"),
+               21: (5, "NOT_CONVERGED"), 33: (4, "NOT_CONVERGED"), 5: (3, "NOT_COVERED"),
+               27: (3, "MASS_MARGIN"), 30: (1, "PIVOT_AT_LEVEL"), 6: (8, "OK"), 7: (8, "OK")}
+"""Rounds of :func:`_near_round` by the pivot whose decision flags the row and its reason in the
+reference's search (8, OK: none flags); found with the reference: five of them flag at vLLM's
+duplicate test after earlier pivots decided, the others reach the other reasons or no flag."""
+
+
+@pytest.mark.parametrize("seed", sorted(NEAR_ROUNDS))
+def test_decisions_match_the_reference_near_duplicate_levels(seed: int) -> None:
+    """``decide_each`` on a round's eight pivots == the reference's search pivot by pivot
+    (``_Search.decide`` in turn: over, ok, g, n, level, the branch count, and the reason of the
+    first pivot that flags), on levels within vLLM's duplicate test of the next larger one:
+    the kernel's ``g`` (the smallest ``q`` above a pivot), the next larger level's ``q`` (the
+    smallest below ``g``'s level) and the merged count decide whether a stopping test could
+    count them as ties (``NOT_CONVERGED``). The mass is a sum in another order:
+    ``pytest.approx``."""
+    from shardmax.reference.nucleus_replay import HIST_LEVELS, LevelHistogram, _Flag, _Row, _Search
+
+    lo, hi, q_in, counts, p, tail = _near_round(seed)
+    live = counts > 0
+    values = np.where(live, np.log(np.where(live, q_in, 1.0)), -np.inf)
+    floor_value = math.log(lo * (hi / lo) ** 0.5) if tail else -math.inf
+    h = LevelHistogram(values, counts, 0, 0.0, 1.0, floor_value, tail, -50.0, 0.0, 0.0)
+    row = _Row(h, p)
+    q = torch.zeros(HIST_LEVELS, dtype=torch.float64)
+    c = torch.zeros(HIST_LEVELS, dtype=torch.int32)
+    q[:-1], c[:-1] = torch.from_numpy(row.q), torch.from_numpy(counts).int()
+    par = torch.tensor([lo, math.log(hi / lo), row.p, 0, tail, row.floor_q], dtype=torch.float64)
+    f = torch.full((2, 3, 8), -7.0, dtype=torch.float64)
+    i = torch.full((2, 6, 8), -7, dtype=torch.int32)
+    _decide_both[(1,)](par, q, c, f, i, LEVELS=HIST_LEVELS, PIVOTS=8, HIGH=False)
+    search = _Search(row, high=False)
+    first = (8, "OK")
+    for k in range(8):
+        over, ok, n, lvl, branches, reason = i[0, :, k].tolist()
+        try:
+            want = search.decide(float(f[0, 0, k]))
+        except _Flag as e:
+            assert reason == e.reason, (seed, k, reason, e.reason)
+            first = (k, e.reason.name)
+            break
+        assert reason == 0, (seed, k, reason)
+        assert (bool(over), bool(ok), n, lvl) == (want.over, want.ok, want.n, want.level), k
+        assert float(f[0, 2, k]) == want.g and branches == search.branches, (seed, k)
+        assert float(f[0, 1, k]) == pytest.approx(want.mass, rel=1e-12), (seed, k)
+    assert first == NEAR_ROUNDS[seed]
+
+
 BRANCH_ROWS = ((5, 77), (7, 55))
 """Rows of ``lm_logits(8, 3000, seed=0, profile=HOT)`` and the level whose cumulative mass (at
 T = 1) planted as their top-p makes vLLM 0.33's split search meet branch points in two rounds,
