@@ -458,7 +458,7 @@ def _near_round(seed: int) -> tuple[float, float, np.ndarray, np.ndarray, float,
 
 NEAR_ROUNDS = {4: (1, "NOT_CONVERGED"), 8: (3, "NOT_CONVERGED"), 10: (6, "NOT_CONVERGED"),
                21: (5, "NOT_CONVERGED"), 33: (4, "NOT_CONVERGED"), 5: (3, "NOT_COVERED"),
-               27: (3, "MASS_MARGIN"), 30: (1, "PIVOT_AT_LEVEL"), 6: (8, "OK"), 7: (8, "OK")}
+               27: (3, "MASS_MARGIN"), 30: (1, "PIVOT_AT_LEVEL"), 6: (8, "OK"), 7: (8, "OK")}  # fmt: skip
 """Rounds of :func:`_near_round` by the pivot whose decision flags the row and its reason in the
 reference's search (8, OK: none flags); found with the reference: five of them flag at vLLM's
 duplicate test after earlier pivots decided, the others reach the other reasons or no flag."""
