@@ -432,12 +432,16 @@ def test_pivot_groups_equal_all_at_once(
     _decide(seed, pivots, branches, high, tail)
 
 
-def _near_round(seed: int) -> tuple[float, float, np.ndarray, np.ndarray, float, float]:
+def _near_round(
+    seed: int, scale: int = 1
+) -> tuple[float, float, np.ndarray, np.ndarray, float, float]:
     """A split round ``(lo, hi)`` over levels where vLLM's 1e-9 duplicate test matters: a top
     level of 0.5, then 3-6 groups of 1-3 adjacent levels, each level of a group within 1-3e-5
     (relative) of the one above -- inside the test's reach -- with 1-1000 tokens each; a top-p
-    within 1e-5 of the mass above one level; and the tail's mass (0 or 1 %). Returns (lo, hi,
-    q, counts, p, tail)."""
+    within 1e-5 of the mass above one level; and the tail's mass (0 or 1 %). ``scale``: every
+    level below the top ``scale`` times the tokens at ``1 / scale`` of the probability, and the
+    round likewise (the same masses; 100: 100000 tokens at a level, past 16 bits). Returns (lo,
+    hi, q, counts, p, tail)."""
     from shardmax.reference.nucleus_replay import HIST_LEVELS
 
     rng = np.random.default_rng(seed)
@@ -447,6 +451,8 @@ def _near_round(seed: int) -> tuple[float, float, np.ndarray, np.ndarray, float,
     for qg in sorted(lo * (hi / lo) ** rng.uniform(0.05, 0.95, rng.integers(3, 7)))[::-1]:
         for k in range(int(rng.integers(1, 4))):
             levels.append((qg * (1 - k * rng.uniform(1e-5, 3e-5)), int(rng.choice([1, 3, 1000]))))
+    lo, hi = lo / scale, hi / scale
+    levels = levels[:1] + [(qi / scale, ci * scale) for qi, ci in levels[1:]]
     q = np.zeros(HIST_LEVELS - 1)
     c = np.zeros(HIST_LEVELS - 1, dtype=np.int64)
     for i, (qi, ci) in enumerate(levels):
@@ -464,18 +470,20 @@ reference's search (8, OK: none flags); found with the reference: five of them f
 duplicate test after earlier pivots decided, the others reach the other reasons or no flag."""
 
 
+@pytest.mark.parametrize("scale", [1, 100])
 @pytest.mark.parametrize("seed", sorted(NEAR_ROUNDS))
-def test_decisions_match_the_reference_near_duplicate_levels(seed: int) -> None:
+def test_decisions_match_the_reference_near_duplicate_levels(seed: int, scale: int) -> None:
     """``decide_each`` on a round's eight pivots == the reference's search pivot by pivot
     (``_Search.decide`` in turn: over, ok, g, n, level, the branch count, and the reason of the
     first pivot that flags), on levels within vLLM's duplicate test of the next larger one:
-    the kernel's ``g`` (the smallest ``q`` above a pivot), the next larger level's ``q`` (the
-    smallest below ``g``'s level) and the merged count decide whether a stopping test could
-    count them as ties (``NOT_CONVERGED``). The mass is a sum in another order:
-    ``pytest.approx``."""
+    the kernel's ``g`` (the smallest ``q`` above a pivot), its level's count (packed with the
+    level's index) and the count of the levels within the test's reach decide whether a stopping
+    test could count them as ties (``NOT_CONVERGED``). ``scale`` 100: counts past 16 bits (a
+    count cut to 16 bits in the packed reduction fails here, as a review helper found no other
+    test did). The mass is a sum in another order: ``pytest.approx``."""
     from shardmax.reference.nucleus_replay import HIST_LEVELS, LevelHistogram, _Flag, _Row, _Search
 
-    lo, hi, q_in, counts, p, tail = _near_round(seed)
+    lo, hi, q_in, counts, p, tail = _near_round(seed, scale)
     live = counts > 0
     values = np.where(live, np.log(np.where(live, q_in, 1.0)), -np.inf)
     floor_value = math.log(lo * (hi / lo) ** 0.5) if tail else -math.inf
