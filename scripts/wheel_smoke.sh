@@ -10,11 +10,17 @@
 #   benchmark's refusal on a CPU machine (exit 2), and emulated verifications under
 #   TRITON_INTERPRET=1 compared == to the reference: scripts/cpu_example.py (the README's
 #   example: argmax + greedy verification) and one sampled step (fast mode, TP 4).
-# Usage: bash scripts/wheel_smoke.sh   (PYTHON= the interpreter for build + venv; WORK= a folder)
+# Usage: bash scripts/wheel_smoke.sh   (PYTHON= the interpreter for build + venv; WORK= a folder,
+#   kept; without it a temporary one, removed when the check passes)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$( [ -x "$REPO/.venv/bin/python" ] && echo "$REPO/.venv/bin/python" || echo python3)}
-WORK=${WORK:-$(mktemp -d -t shardmax-wheel-XXXXXX)}
+if [ -z "${WORK:-}" ]; then
+  # our own scratch folder (~2 GB: a venv with torch): removed when the check passes, kept
+  # (with its logs) when it fails. CI runs on a machine with a few GB of free disk.
+  WORK=$(mktemp -d -t shardmax-wheel-XXXXXX)
+  trap 'rc=$?; if [ "$rc" = 0 ]; then rm -rf "$WORK"; else echo "wheel smoke: logs kept in $WORK" >&2; fi' EXIT
+fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 T0=$(date +%s)
 stamp() { echo "[wheel $(($(date +%s) - T0))s] $*"; }
