@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import shardmax
 from shardmax.testing import random_verify_batch
@@ -132,3 +134,106 @@ def test_greedy_plan_refuses_a_sampled_batch() -> None:
     plan.run(b.logits, greedy)
     with pytest.raises(ValueError, match="temperature: a greedy plan"):
         plan.run(b.logits, sampled)
+
+
+_STEP_NAMES = ("draft_sampled", "cu_num_logits", "pos", "idx_mapping", "expanded_local_pos",
+               "seed", "num_speculative_steps", "synthetic_conditional_rates", "seq_lens",
+               "prefill_len", "temperature", "top_k", "top_p", "min_p")  # fmt: skip
+
+
+def _variant(t: object, how: str) -> object:
+    """One argument of a step batch made otherwise: another dtype, rank, length, stride or
+    type, or absent."""
+    if how == "none":
+        return None
+    assert isinstance(t, torch.Tensor)
+    return {
+        "int32": lambda: t.to(torch.int32),
+        "int64": lambda: t.to(torch.int64),
+        "fp32": lambda: t.to(torch.float32),
+        "fp64": lambda: t.to(torch.float64),
+        "bf16": lambda: t.to(torch.bfloat16),
+        "2d": lambda: t.unsqueeze(0),
+        "shorter": lambda: t[:-1],
+        "longer": lambda: torch.cat([t, t[:1]]),
+        "strided": lambda: torch.stack([t, t], 1)[:, 0],  # same values, stride 2
+        "list": lambda: t.tolist(),
+        "subclass": lambda: torch.nn.Parameter(t.float(), requires_grad=False),
+        "meta": lambda: t.to("meta"),
+    }[how]()
+
+
+_HOW = ("none", "int32", "int64", "fp32", "fp64", "bf16", "2d", "shorter", "longer", "strided",
+        "list", "subclass", "meta")  # fmt: skip
+
+
+def _fast_and_checks(changes: dict[str, str], sampled: bool) -> None:
+    """``check_step_batch`` with its one-pass path against the per-argument checks alone, on
+    a valid step batch (vLLM's engine batch: no synthetic rates) with ``changes`` applied."""
+    from shardmax.runtime import validation
+
+    b = random_verify_batch(3, 3, 64, seed=2)
+    slots = b.seed.shape[0]
+    args: dict[str, object] = dict(zip(_STEP_NAMES, b.args(), strict=False))
+    args |= b.kwargs()
+    assert args["synthetic_conditional_rates"] is None  # else only the checks would run
+    if sampled:
+        args |= {"temperature": torch.rand(slots), "top_k": torch.full((slots,), 5),
+                 "top_p": torch.rand(slots), "min_p": torch.zeros(slots)}  # fmt: skip
+    for name, how in changes.items():
+        base = args.get(name)
+        if base is None:
+            base = torch.ones(3) if name == "synthetic_conditional_rates" else b.seed
+        args[name] = _variant(base, how)
+    rows, device = b.logits.shape[0], b.logits.device
+
+    def outcome(fast: bool) -> object:
+        with pytest.MonkeyPatch.context() as mp:
+            if not fast:
+                mp.setattr(validation, "_fast_step_batch", lambda *a: None)
+            try:
+                return validation.check_step_batch(rows, device, **args)  # type: ignore[arg-type]
+            except (TypeError, ValueError) as e:
+                return (type(e), str(e))
+
+    got, want = outcome(True), outcome(False)
+    if not isinstance(want, validation.StepBatch):
+        assert got == want, changes
+        return
+    assert isinstance(got, validation.StepBatch), (changes, got)
+    for g, w in zip(got, want, strict=True):
+        if isinstance(w, torch.Tensor):
+            assert type(g) is type(w) and g.is_contiguous()
+            assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+        else:
+            assert g == w
+
+
+def test_step_batch_fast_path_is_the_checks_one_change_each() -> None:
+    """``check_step_batch``'s one-pass path for the engine's batch (host time every step) gives
+    what the per-argument checks give -- the same normalised batch, or the same error -- for
+    every argument of the batch made otherwise in every way :func:`_variant` has (another
+    dtype, rank, length, stride, type or device, or absent), greedy and sampled."""
+    _fast_and_checks({}, False)
+    _fast_and_checks({}, True)
+    for name in _STEP_NAMES:
+        if name == "num_speculative_steps":
+            continue
+        for how in _HOW:
+            for sampled in (False, True):
+                _fast_and_checks({name: how}, sampled)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    changes=st.dictionaries(
+        st.sampled_from([n for n in _STEP_NAMES if n != "num_speculative_steps"]),
+        st.sampled_from(_HOW),
+        min_size=2,
+        max_size=3,
+    ),
+    sampled=st.booleans(),
+)
+def test_step_batch_fast_path_is_the_checks(changes: dict[str, str], sampled: bool) -> None:
+    """The same on two or three arguments made otherwise at once."""
+    _fast_and_checks(changes, sampled)

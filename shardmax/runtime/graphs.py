@@ -134,12 +134,15 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def batch_signature(batch: Any) -> tuple[Any, ...]:
-    """What a captured graph depends on besides the plan: each field of the
-    :class:`~shardmax.runtime.validation.StepBatch` -- a tensor by its dtype and length (every
-    tensor of a checked batch is contiguous) and device index (``get_device()``: -1 on the CPU;
-    no ``torch.device`` object made), K and absent tensors (None) as they are."""
-    return tuple(
-        [(t.dtype, t.shape[0], t.get_device()) if type(t) is torch.Tensor else t for t in batch]
+    """What a captured graph depends on besides the plan: the batch's device index
+    (``get_device()`` of its first tensor: -1 on the CPU; every tensor of a checked batch is on
+    the one device) and each field of the :class:`~shardmax.runtime.validation.StepBatch` -- a
+    tensor by its dtype and length (``numel()``: every tensor of a checked batch is 1-D and
+    contiguous; half the host time of ``shape[0]``), K and absent tensors (None) as they are."""
+    T = torch.Tensor
+    return (
+        batch[0].get_device(),
+        *[t if type(t) is not T else (t.dtype, t.numel()) for t in batch],
     )
 
 

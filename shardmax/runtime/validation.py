@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -195,11 +195,11 @@ class StepBatch(NamedTuple):
 
     @property
     def num_logits(self) -> int:
-        return self.draft_sampled.shape[0]
+        return self.draft_sampled.numel()  # 1-D: its length (numel: cheaper on the host)
 
     @property
     def num_reqs(self) -> int:
-        return self.idx_mapping.shape[0]
+        return self.idx_mapping.numel()
 
     @property
     def num_slots(self) -> int:
@@ -234,6 +234,13 @@ def check_step_batch(
     dev = device if type(device) is torch.device else torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # a tensor's device always has its index
         dev = torch.device("cuda", torch.cuda.current_device())
+    fast = _fast_step_batch(
+        num_logits, dev, k, draft_sampled, cu_num_logits, pos, idx_mapping, expanded_local_pos,
+        seed, synthetic_conditional_rates, seq_lens, prefill_len, temperature, top_k, top_p,
+        min_p,
+    )  # fmt: skip
+    if fast is not None:
+        return fast
     draft = check_index_tensor("draft_sampled", draft_sampled, dev)
     if draft.shape[0] != num_logits:
         raise ValueError(
@@ -283,6 +290,69 @@ def check_step_batch(
     )  # fmt: skip
     mp = None if min_p is None else check_float_tensor("min_p", min_p, dev, torch.float32)
     return StepBatch(draft, cu, pos_t, idx, seed_t, k, rates, lens, pre, temp, tk, tp, mp)
+
+
+def _fast_step_batch(
+    num_logits: int,
+    dev: torch.device,
+    k: int,
+    draft: object,
+    cu: object,
+    pos: object,
+    idx: object,
+    elp: object,
+    seed: object,
+    rates: object,
+    lens: object,
+    pre: object,
+    temp: object,
+    tk: object,
+    tp: object,
+    mp: object,
+) -> StepBatch | None:
+    """:func:`check_step_batch` of the batch every engine step sends -- every tensor 1-D of
+    an accepted dtype on ``dev`` and of the right length, the sampling tensors of the dtype
+    the kernels load (no cast), no synthetic rates -- in one pass without a call per argument
+    (host time every step); None for anything else, which the per-argument checks then take
+    (and name in their errors)."""
+    if rates is not None or (lens is None) != (pre is None):
+        return None
+    T, ix = torch.Tensor, INDEX_DTYPES
+    for t in (draft, cu, pos, idx, elp, seed):
+        if type(t) is not T or t.dtype not in ix or t.dim() != 1 or t.device != dev:
+            return None
+    for t in (lens, pre, tk):
+        if t is not None and (
+            type(t) is not T or t.dtype not in ix or t.dim() != 1 or t.device != dev
+        ):
+            return None
+    for t, ok in ((temp, _FP32), (tp, _FP32_64), (mp, _FP32)):
+        if t is not None and (
+            type(t) is not T or t.dtype not in ok or t.dim() != 1 or t.device != dev
+        ):
+            return None
+    d, c_, p, i, e, s = cast("tuple[torch.Tensor, ...]", (draft, cu, pos, idx, elp, seed))
+    opt = cast("tuple[torch.Tensor | None, ...]", (lens, pre, temp, tk, tp, mp))
+    num_reqs = i.numel()  # (1-D: the length, in half the host time of shape[0])
+    if (
+        p.dtype is not torch.int64
+        or s.dtype is not torch.int64
+        or d.numel() != num_logits
+        or p.numel() != num_logits
+        or e.numel() != num_logits
+        or c_.numel() != num_reqs + 1
+        or (opt[0] is not None and opt[0].numel() < num_reqs)
+    ):
+        return None
+    lens_c, pre_c, temp_c, tk_c, tp_c, mp_c = [None if t is None else t.contiguous() for t in opt]
+    return StepBatch(
+        d.contiguous(), c_.contiguous(), p.contiguous(), i.contiguous(), s.contiguous(), k, None,
+        lens_c, pre_c, temp_c, tk_c, tp_c, mp_c,
+    )  # fmt: skip
+
+
+_FP32 = (torch.float32,)
+_FP32_64 = (torch.float32, torch.float64)
 
 
 def check_batch_values(

@@ -24,6 +24,8 @@ import re
 import threading
 from typing import Any
 
+from shardmax.integrations.vllm import env
+
 __all__ = [
     "COUNTER_KEYS",
     "ENV_STATS_DIR",
@@ -188,9 +190,9 @@ def resolved(requests: int, rows: int, reasons: dict[str, int]) -> None:
 
 def dump_stats() -> None:
     """Write :func:`stats` to ``$SHARDMAX_VLLM_STATS_DIR`` (no-op when unset; never raises)."""
-    d = os.environ.get(ENV_STATS_DIR)
-    if not d:
+    if not env.read(ENV_STATS_DIR, ""):  # (every step's counters call this: a dict lookup)
         return
+    d = os.environ[ENV_STATS_DIR]
     try:
         os.makedirs(d, exist_ok=True)
         path = os.path.join(d, f"shardmax-vllm-{os.getpid()}.json")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from shardmax.integrations.vllm import counters
+from shardmax.integrations.vllm import counters, env
 
 __all__ = [
     "ENV_DEVICE_FALLBACK",
@@ -371,7 +371,7 @@ def graph_replay(tp: int, device: torch.device) -> bool:
     Raises:
         ValueError: any other value (named, with the accepted ones).
     """
-    raw = os.environ.get(ENV_GRAPHS, "auto").strip().lower() or "auto"
+    raw = env.read(ENV_GRAPHS, "auto")
     raw = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}.get(raw, raw)
     if raw not in GRAPH_ROUTING:
         raise ValueError(
@@ -405,7 +405,7 @@ def sampled_mode() -> str:
     Raises:
         ValueError: any other value (named, with the accepted ones).
     """
-    mode = os.environ.get(ENV_SAMPLED_MODE, "strict").strip().lower() or "strict"
+    mode = env.read(ENV_SAMPLED_MODE, "strict")
     if mode not in SAMPLED_MODES:
         raise ValueError(
             f"{ENV_SAMPLED_MODE}={os.environ.get(ENV_SAMPLED_MODE)!r}: expected one of "
@@ -435,7 +435,7 @@ def resolution_enabled() -> bool:
     """Per-request resolution of flagged requests (default on): ``$SHARDMAX_VLLM_RESOLVE=0``
     turns it off (every flagged step re-runs natively, and top-k / top-p / min-p steps are left
     to vLLM)."""
-    return os.environ.get(ENV_RESOLVE, "1").strip().lower() not in ("0", "false", "off", "no")
+    return env.read(ENV_RESOLVE, "1") not in ("0", "false", "off", "no")
 
 
 NUCLEUS_ROUTING = ("auto", "1", "0")
@@ -448,7 +448,7 @@ def _routing_env(name: str, default: str, accepted: tuple[str, ...]) -> str:
     Raises:
         ValueError: any other value (named, with the accepted ones).
     """
-    raw = os.environ.get(name, default).strip().lower() or default
+    raw = env.read(name, default)
     raw = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}.get(raw, raw)
     if raw not in accepted:
         raise ValueError(f"{name}={os.environ.get(name)!r}: expected one of {accepted}")
@@ -507,7 +507,7 @@ def topp_path() -> str:
     Raises:
         ValueError: any other value (named, with the accepted ones).
     """
-    raw = os.environ.get(ENV_TOPP, "histogram").strip().lower() or "histogram"
+    raw = env.read(ENV_TOPP, "histogram")
     if raw not in TOPP_PATHS:
         raise ValueError(f"{ENV_TOPP}={os.environ.get(ENV_TOPP)!r}: expected one of {TOPP_PATHS}")
     return raw
@@ -640,7 +640,7 @@ def resolver() -> Any:
             from shardmax.integrations.vllm.resolution import CapturedResolution
 
             chain = installed_chain()
-            if os.environ.get(ENV_GRAPHS, "auto").strip().lower() not in _OFF:
+            if env.read(ENV_GRAPHS, "auto") not in _OFF:
                 chain = CapturedResolution(chain)
         except Exception as e:  # an unknown layout: resolve nothing, say so once
             err = repr(e)
@@ -700,7 +700,7 @@ def device_fallback(device: torch.device) -> Any:
         ValueError: ``$SHARDMAX_VLLM_DEVICE_FALLBACK`` not one of ``auto`` / ``1`` / ``0`` /
             ``emulate`` (or ``true`` / ``on`` / ``yes`` / ``false`` / ``off`` / ``no``).
     """
-    raw = os.environ.get(ENV_DEVICE_FALLBACK, "auto").strip().lower() or "auto"
+    raw = env.read(ENV_DEVICE_FALLBACK, "auto")
     flag = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}.get(raw, raw)
     if flag not in ("auto", "1", "0", "emulate"):
         raise ValueError(
@@ -713,7 +713,7 @@ def device_fallback(device: torch.device) -> Any:
     chain = resolver()
     if chain is None or (device.type != "cuda" and not emulate):
         return None
-    if os.environ.get(ENV_GRAPHS, "auto").strip().lower() in _OFF:
+    if env.read(ENV_GRAPHS, "auto") in _OFF:
         return None
     if not _FALLBACK:
         from shardmax.integrations.vllm.fallback import DeviceFallback
