@@ -192,7 +192,9 @@ def dump_stats() -> None:
     """Write :func:`stats` to ``$SHARDMAX_VLLM_STATS_DIR`` (no-op when unset; never raises)."""
     if not env.read(ENV_STATS_DIR, ""):  # (every step's counters call this: a dict lookup)
         return
-    d = os.environ[ENV_STATS_DIR]
+    d = os.environ.get(ENV_STATS_DIR, "")  # the path as set (env.read lower-cases)
+    if not d.strip():  # (unset by another thread since)
+        return
     try:
         os.makedirs(d, exist_ok=True)
         path = os.path.join(d, f"shardmax-vllm-{os.getpid()}.json")
