@@ -1032,7 +1032,7 @@ def test_env_read_follows_every_change_to_os_environ(monkeypatch):
     """The plug-in's per-step reads of its variables (``env.read``: a dict lookup instead of
     ``os.environ.get``'s ~1.2 us) give what ``os.environ.get`` gives, normalised, after every
     change -- set, changed, emptied, set to the same value again, unset -- through the fast
-    lookup and through the public fallback."""
+    lookup and through the public fallback, and with ``os.environ`` replaced by a dict."""
     from shardmax.integrations.vllm import env
 
     name = "SHARDMAX_TEST_ENV_READ"
@@ -1048,3 +1048,6 @@ def test_env_read_follows_every_change_to_os_environ(monkeypatch):
         with pytest.MonkeyPatch.context() as m:
             m.setattr(env, "_DATA", None)
             assert env.read(name, "auto") == want, value
+    with pytest.MonkeyPatch.context() as m:  # os.environ replaced by another mapping
+        m.setattr(os, "environ", {name: " Off "})
+        assert env.read(name, "auto") == "off"

@@ -160,11 +160,12 @@ def _variant(t: object, how: str) -> object:
         "list": lambda: t.tolist(),
         "subclass": lambda: torch.nn.Parameter(t.float(), requires_grad=False),
         "meta": lambda: t.to("meta"),
+        "sparse": lambda: t.to_sparse(),  # contiguous() raises on it
     }[how]()
 
 
 _HOW = ("none", "int32", "int64", "fp32", "fp64", "bf16", "2d", "shorter", "longer", "strided",
-        "list", "subclass", "meta")  # fmt: skip
+        "list", "subclass", "meta", "sparse")  # fmt: skip
 
 
 def _fast_and_checks(changes: dict[str, str], sampled: bool) -> None:
@@ -193,7 +194,7 @@ def _fast_and_checks(changes: dict[str, str], sampled: bool) -> None:
                 mp.setattr(validation, "_fast_step_batch", lambda *a: None)
             try:
                 return validation.check_step_batch(rows, device, **args)  # type: ignore[arg-type]
-            except (TypeError, ValueError) as e:
+            except Exception as e:  # the checks' errors, and torch's own (a sparse tensor)
                 return (type(e), str(e))
 
     got, want = outcome(True), outcome(False)
@@ -213,7 +214,7 @@ def test_step_batch_fast_path_is_the_checks_one_change_each() -> None:
     """``check_step_batch``'s one-pass path for the engine's batch (host time every step) gives
     what the per-argument checks give -- the same normalised batch, or the same error -- for
     every argument of the batch made otherwise in every way :func:`_variant` has (another
-    dtype, rank, length, stride, type or device, or absent), greedy and sampled."""
+    dtype, rank, length, stride, type, device or layout, or absent), greedy and sampled."""
     _fast_and_checks({}, False)
     _fast_and_checks({}, True)
     for name in _STEP_NAMES:

@@ -314,7 +314,8 @@ def _fast_step_batch(
     an accepted dtype on ``dev`` and of the right length, the sampling tensors of the dtype
     the kernels load (no cast), no synthetic rates -- in one pass without a call per argument
     (host time every step); None for anything else, which the per-argument checks then take
-    (and name in their errors)."""
+    (and name in their errors). Its ``contiguous()`` calls run in the checks' order, so an
+    argument that cannot be made contiguous (a sparse tensor, ...) raises as it does there."""
     if rates is not None or (lens is None) != (pre is None):
         return None
     T, ix = torch.Tensor, INDEX_DTYPES
@@ -344,11 +345,13 @@ def _fast_step_batch(
         or (opt[0] is not None and opt[0].numel() < num_reqs)
     ):
         return None
+    # ``contiguous()`` in the checks' order, ``expanded_local_pos`` included (its result unused
+    # there too): a tensor it raises on raises the same here
+    d, i, c_, p = d.contiguous(), i.contiguous(), c_.contiguous(), p.contiguous()
+    e.contiguous()
+    s = s.contiguous()
     lens_c, pre_c, temp_c, tk_c, tp_c, mp_c = [None if t is None else t.contiguous() for t in opt]
-    return StepBatch(
-        d.contiguous(), c_.contiguous(), p.contiguous(), i.contiguous(), s.contiguous(), k, None,
-        lens_c, pre_c, temp_c, tk_c, tp_c, mp_c,
-    )  # fmt: skip
+    return StepBatch(d, c_, p, i, s, k, None, lens_c, pre_c, temp_c, tk_c, tp_c, mp_c)
 
 
 _FP32 = (torch.float32,)

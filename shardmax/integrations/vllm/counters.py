@@ -189,7 +189,8 @@ def resolved(requests: int, rows: int, reasons: dict[str, int]) -> None:
 
 
 def dump_stats() -> None:
-    """Write :func:`stats` to ``$SHARDMAX_VLLM_STATS_DIR`` (no-op when unset; never raises)."""
+    """Write :func:`stats` to ``$SHARDMAX_VLLM_STATS_DIR`` (no-op when unset or blank; never
+    raises)."""
     if not env.read(ENV_STATS_DIR, ""):  # (every step's counters call this: a dict lookup)
         return
     d = os.environ.get(ENV_STATS_DIR, "")  # the path as set (env.read lower-cases)

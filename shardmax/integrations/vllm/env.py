@@ -7,7 +7,8 @@ encodes the key and raises a KeyError inside ``Mapping.get``); :func:`read` look
 up in ``os.environ``'s own mapping (CPython's ``os._Environ``: one dict lookup, ~40 ns) and
 normalises each distinct value once. Every change made through ``os.environ`` (``export`` before
 the start, ``os.environ[...] = ...``, ``monkeypatch.setenv``) is seen at the next read, as with
-``os.environ.get``; neither sees ``os.putenv`` behind ``os.environ``'s back.
+``os.environ.get``, and so is an ``os.environ`` replaced by another mapping (read through it);
+neither sees ``os.putenv`` behind ``os.environ``'s back.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def read(name: str, default: str) -> str:
         costs one dict lookup of the raw value and one of the last result).
     """
     data = _DATA
-    if data is None:  # an interpreter without os._Environ's mapping: the public way
-        raw_value = _ENVIRON.get(name)
+    if data is None or os.environ is not _ENVIRON:  # no os._Environ mapping, or os.environ
+        # replaced (``mock.patch("os.environ", {...})``): the public way
+        raw_value = os.environ.get(name)
         return default if raw_value is None else (raw_value.strip().lower() or default)
     key = _KEYS.get(name)
     if key is None:
