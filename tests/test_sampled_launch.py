@@ -228,8 +228,13 @@ def test_sampled_gate_accepts_and_rejects(monkeypatch):
         return real(*args, **{**kwargs, "candidates": 64})
 
     monkeypatch.setattr(sm, "merge_candidates", stale_c)
+    # The stale merge reads records laid out for C = 128 as if they held 64, so what it picks up
+    # past the written candidates is whatever that memory holds: the rejection may be a differing
+    # token, a missing TOPK_CAPACITY flag or a request it should decide coming back flagged.
+    # Which one varies from run to run (CI saw the third); that the config is rejected does not.
     why = runner.gate(Config(1024, 4, 0, 1, "allgather", 128), seed=3)
-    assert why is not None and ("differ" in why or "TOPK_CAPACITY" in why or "error" in why)
+    assert why is not None
+    assert any(s in why for s in ("differ", "TOPK_CAPACITY", "came back flagged", "error")), why
     with pytest.raises(ValueError, match="one GPU"):
         SampledRunner(_tiny_bucket(), torch.device("cpu"), dist=object())  # type: ignore[arg-type]
 
