@@ -45,6 +45,29 @@ def _share_the_cores_between_xdist_workers() -> None:
 
 _share_the_cores_between_xdist_workers()
 
+
+def _same_examples_every_run() -> None:
+    """Every Hypothesis test draws the same examples in every run (CI included): a property
+    test that fails must fail on every run of the commit that broke it, never on a later
+    unrelated one. ``SHARDMAX_FUZZ_RANDOM=1`` draws fresh examples (a soak run); no example
+    database is written into the checkout and no deadline applies (the interpreter's times
+    vary by orders of magnitude). Loaded before the test modules import, so their own
+    ``@settings(...)`` inherit it."""
+    try:
+        from hypothesis import settings
+    except ImportError:  # the Hypothesis tests importorskip it
+        return
+    settings.register_profile(
+        "shardmax",
+        derandomize=os.environ.get("SHARDMAX_FUZZ_RANDOM") != "1",
+        database=None,
+        deadline=None,
+    )
+    settings.load_profile("shardmax")
+
+
+_same_examples_every_run()
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

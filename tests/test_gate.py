@@ -225,7 +225,7 @@ def _mostly(value, odd):
 _KS = [-1, 0, 1, 5, 63, 64, 100, 999, 1000, 1001]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400)
 @given(
     data=st.data(),
     n=st.integers(0, 5),

@@ -991,7 +991,7 @@ def test_gate_refuses_a_class_with_base_classes():
     assert gate.check_methods(Base, "RejectionSampler", ("_verify",), "0.33") is None
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(
     data=st.data(),
     n=st.integers(0, 6),

@@ -416,7 +416,7 @@ def test_pivot_groups_refuse_a_group_size_that_does_not_divide_eight() -> None:
         _decide_both[(1,)](par, q, c, f, i, LEVELS=HIST_LEVELS, PIVOTS=16, HIGH=False)
 
 
-@settings(max_examples=16, deadline=None)
+@settings(max_examples=16)
 @given(
     seed=st.integers(0, 2**32 - 1),
     pivots=st.sampled_from([4, 2, 1]),

@@ -225,7 +225,7 @@ def test_step_batch_fast_path_is_the_checks_one_change_each() -> None:
                 _fast_and_checks({name: how}, sampled)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     changes=st.dictionaries(
         st.sampled_from([n for n in _STEP_NAMES if n != "num_speculative_steps"]),
