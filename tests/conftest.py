@@ -68,6 +68,62 @@ def _same_examples_every_run() -> None:
 
 _same_examples_every_run()
 
+
+def _interpreter_patches_the_language_once_per_launch() -> None:
+    """Triton's interpreter (``TRITON_INTERPRET=1``) patches ``triton.language`` for the
+    interpreter when a launch starts and restores it when the launch ends; it also patches it
+    again on every call of a ``@triton.jit`` device function inside the launch (Triton 3.9:
+    ``InterpretedFunction.__call__`` -> ``_patch_lang``, an ``inspect.getmembers`` walk over
+    the language's modules). The kernels' device functions run in loops (the top-p replay calls
+    them ~20 000 times in a small step), and those walks were a third of the interpreted suite's
+    CPU time. A nested call finds the language already patched by its launch, for the same
+    modules, so this skips it; a device function whose module sees a language module its
+    kernel's does not (``tl.zeros``: ``triton.language.core``) still patches it, once per
+    launch. Where the interpreter's structure differs (another Triton), nothing changes.
+    Kernel semantics are untouched: every test still compares against its reference, and
+    ``tests/test_interpreter_once.py`` checks the shim itself."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    real = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if real is None or scope_type is None or getattr(real, "_shardmax_once", False):
+        return
+    modules = (tl, tl.core)
+    active: set[int] = set()  # the language modules the running launch patched (ids)
+
+    def langs(fn: Any) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if any(v is m for m in modules)}
+
+    def patch_lang(fn: Any) -> Any:
+        mine = langs(fn)
+        if active and mine <= active:  # a device function inside a launch: already patched
+            return scope_type()
+        outer = not active
+        scope = real(fn)
+        active.update(mine)
+        if outer:  # the launch's own patch: its restore ends the launch
+            restore = scope.restore
+
+            def restore_and_end() -> None:
+                try:
+                    restore()
+                finally:
+                    active.clear()
+
+            scope.restore = restore_and_end
+        return scope
+
+    patch_lang._shardmax_once = True  # type: ignore[attr-defined]
+    interpreter._patch_lang = patch_lang
+
+
+_interpreter_patches_the_language_once_per_launch()
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
