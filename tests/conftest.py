@@ -127,6 +127,16 @@ _interpreter_patches_the_language_once_per_launch()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(autouse=True)
+def _seeded_global_generator(request: pytest.FixtureRequest) -> None:
+    """Every test starts torch's global generator from a seed of its own node id: a test that
+    draws from it without a generator of its own sees the same numbers in every run, whichever
+    tests ran before it in its xdist worker (torch seeds it differently in every process)."""
+    torch.manual_seed(
+        int.from_bytes(hashlib.sha256(request.node.nodeid.encode()).digest()[:8], "big")
+    )
+
+
 DEFAULT_MARKEXPR = "not e2e and not slow"
 
 # Parametrizations marked ``slow`` here (their files belong to other work; the marker is the
