@@ -75,9 +75,14 @@ def test_a_launch_leaves_the_language_as_it_found_it() -> None:
 
 
 def test_a_failing_launch_ends_it(walks: list[int]) -> None:
-    """A launch that raises still restores the language, and the next launch patches afresh."""
+    """A launch that raises inside its programs (after it patched the language) still restores
+    the language, and the next launch patches afresh."""
+    before = (tl.max, tl.core.tensor.__add__)
+    walks[0] = 0
     with pytest.raises(Exception):  # noqa: B017 -- the interpreter wraps the error its own way
-        _loop_kernel[(1,)](None, N=16, CALLS=2)
+        _loop_kernel[(1,)](None, N=16, CALLS=2)  # the store through a null pointer fails
+    assert walks[0] > 0, "the launch failed before it patched the language"
+    assert (tl.max, tl.core.tensor.__add__) == before
     walks[0] = 0
     assert torch.equal(_launch(2), torch.full((16,), 2, dtype=torch.int32))
     assert walks[0] > 0
