@@ -322,12 +322,7 @@ def _fast_step_batch(
     for t in (draft, cu, pos, idx, elp, seed):
         if type(t) is not T or t.dtype not in ix or t.dim() != 1 or t.device != dev:
             return None
-    for t in (lens, pre, tk):
-        if t is not None and (
-            type(t) is not T or t.dtype not in ix or t.dim() != 1 or t.device != dev
-        ):
-            return None
-    for t, ok in ((temp, _FP32), (tp, _FP32_64), (mp, _FP32)):
+    for t, ok in ((lens, ix), (pre, ix), (tk, ix), (temp, _FP32), (tp, _FP32_64), (mp, _FP32)):
         if t is not None and (
             type(t) is not T or t.dtype not in ok or t.dim() != 1 or t.device != dev
         ):

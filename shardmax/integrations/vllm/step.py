@@ -354,6 +354,9 @@ def verify_greedy(
 
 ENV_GRAPHS = "SHARDMAX_VLLM_GRAPHS"
 _OFF = ("0", "false", "off", "no")
+_FLAG_SPELLINGS = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}
+"""The spellings of an on / off routing variable that read as ``1`` / ``0`` (built once: the
+routing functions run on every step)."""
 GRAPH_ROUTING = ("auto", "1", "0")
 
 
@@ -372,7 +375,7 @@ def graph_replay(tp: int, device: torch.device) -> bool:
         ValueError: any other value (named, with the accepted ones).
     """
     raw = env.read(ENV_GRAPHS, "auto")
-    raw = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}.get(raw, raw)
+    raw = _FLAG_SPELLINGS.get(raw, raw)
     if raw not in GRAPH_ROUTING:
         raise ValueError(
             f"{ENV_GRAPHS}={os.environ.get(ENV_GRAPHS)!r}: expected one of {GRAPH_ROUTING}"
@@ -449,7 +452,7 @@ def _routing_env(name: str, default: str, accepted: tuple[str, ...]) -> str:
         ValueError: any other value (named, with the accepted ones).
     """
     raw = env.read(name, default)
-    raw = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}.get(raw, raw)
+    raw = _FLAG_SPELLINGS.get(raw, raw)
     if raw not in accepted:
         raise ValueError(f"{name}={os.environ.get(name)!r}: expected one of {accepted}")
     return raw
@@ -701,7 +704,7 @@ def device_fallback(device: torch.device) -> Any:
             ``emulate`` (or ``true`` / ``on`` / ``yes`` / ``false`` / ``off`` / ``no``).
     """
     raw = env.read(ENV_DEVICE_FALLBACK, "auto")
-    flag = {"true": "1", "on": "1", "yes": "1", "false": "0", "off": "0", "no": "0"}.get(raw, raw)
+    flag = _FLAG_SPELLINGS.get(raw, raw)
     if flag not in ("auto", "1", "0", "emulate"):
         raise ValueError(
             f"{ENV_DEVICE_FALLBACK}={os.environ.get(ENV_DEVICE_FALLBACK)!r}: expected one of "
